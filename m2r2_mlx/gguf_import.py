@@ -126,8 +126,10 @@ def gguf_weights_f32(reader, config: dict) -> dict[str, np.ndarray]:
     """All tensors dequantized to float32, HF names and HF rotary layout."""
     import gguf
 
+    from tqdm.auto import tqdm
+
     out = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF to float32", unit="tensor", leave=False):
         # Shapes in GGUF are (ne0, ne1, ...) fastest first; numpy wants the reverse.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:

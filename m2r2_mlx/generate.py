@@ -1,0 +1,203 @@
+"""Plain autoregressive decoding: the reference every M2R2 method is measured against.
+
+``generate`` yields one ``TokenEvent`` per token. The loop is mlx-lm's: the
+next step's graph is built and handed to ``mx.async_eval`` before the current
+token is read back, so Python overhead overlaps with compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from .errors import M2R2Error
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # the new piece of text (may be "" while a multi-byte character is pending)
+    index: int  # position in the answer, 0-based
+    exit_layer: int  # layers this token's prediction used (num_layers for plain decoding)
+    num_layers: int
+    drafted: bool  # came from an accepted draft (speculative decoding)
+    prompt_tokens: int  # tokens in the whole prompt
+    prefill_tokens: int  # of those, how many were computed (the rest came from the cache)
+    prompt_time_s: float
+    token_time_s: float  # wall time since the previous event
+    elapsed_s: float  # wall time since the first token
+    peak_memory_gb: float
+    finish_reason: str | None = None  # "stop" (end of sequence) or "length" on the last event
+    eos: bool = False  # the end-of-sequence token itself (text is "")
+
+    @property
+    def generation_tps(self) -> float:
+        return self.index / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class PromptCache:
+    """The model's KV cache together with the exact token ids it holds.
+
+    Knowing the tokens lets a new prompt reuse the longest common prefix: only the
+    rest is prefilled, and a divergent tail (an edited or regenerated turn) is trimmed.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = make_prompt_cache(model)
+        # Entries may be lazy 0-d arrays (a sampled token fed back before it is read,
+        # so the decode loop never waits); they are resolved on first access.
+        self._tokens: list[int | mx.array] = []
+
+    @property
+    def tokens(self) -> list[int]:
+        self._tokens = [t if isinstance(t, int) else int(t.item()) for t in self._tokens]
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def trim(self, n: int) -> None:
+        if n <= 0:
+            return
+        if not can_trim_prompt_cache(self.layers):
+            raise M2R2Error("this model's KV cache cannot be trimmed (rotating or recurrent cache); /reset the conversation")
+        trim_prompt_cache(self.layers, n)
+        del self._tokens[-n:]
+
+    def reset(self) -> None:
+        self.layers = make_prompt_cache(self.model)
+        self._tokens = []
+
+    def tokens_to_prefill(self, prompt: Sequence[int]) -> list[int]:
+        """Trim the cache to its common prefix with ``prompt``; return the tokens still to compute.
+
+        At least one token is always left to compute, since its logits start the answer.
+        """
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)
+        if len(self.tokens) > common:
+            if can_trim_prompt_cache(self.layers):
+                self.trim(len(self.tokens) - common)
+            else:
+                self.reset()
+                common = 0
+        return list(prompt[common:])
+
+    def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
+        """Run the model on new tokens at the end of the cache; returns logits (T, vocab)."""
+        if isinstance(tokens, mx.array):
+            ids = tokens
+            self._tokens.extend(tokens[i] for i in range(tokens.size))
+        else:
+            ids = mx.array(tokens)
+            self._tokens.extend(int(t) for t in tokens)
+        return self.model(ids[None], cache=self.layers)[0]
+
+
+def prefill(cache: PromptCache, tokens: Sequence[int]) -> mx.array:
+    """Compute ``tokens`` into the cache in chunks; return the last position's logits."""
+    tokens = list(tokens)
+    while len(tokens) > PREFILL_CHUNK:
+        cache.forward(tokens[:PREFILL_CHUNK])
+        mx.eval([c.state for c in cache.layers])
+        tokens = tokens[PREFILL_CHUNK:]
+    return cache.forward(tokens)[-1]
+
+
+def check_context(prompt_len: int, context_length: int) -> None:
+    if prompt_len >= context_length:
+        raise M2R2Error(
+            f"the prompt is {prompt_len} tokens but the model's context holds {context_length}; "
+            "shorten it or start a new conversation (/reset)"
+        )
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: Sequence[int],
+    *,
+    cache: PromptCache | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    context_length: int | None = None,
+) -> Iterator[TokenEvent]:
+    """Decode greedily (temperature 0) or by sampling; one event per token."""
+    cache = cache if cache is not None else PromptCache(model)
+    if context_length:
+        check_context(len(prompt), context_length)
+        max_tokens = min(max_tokens, context_length - len(prompt))
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(temp=temperature, top_p=top_p)
+    eos_ids = set(tokenizer.eos_token_ids)
+    num_layers = len(model.layers)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    mx.reset_peak_memory()
+
+    def sample(logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs[None])[0]
+
+    tic = time.perf_counter()
+    feed = cache.tokens_to_prefill(prompt)
+    y = sample(prefill(cache, feed))
+    mx.async_eval(y)
+
+    prompt_time = first = last = 0.0
+    for n in range(max_tokens):
+        next_y = None
+        if n + 1 < max_tokens:
+            next_y = sample(cache.forward(y[None])[-1])  # builds the next step before reading y
+            mx.async_eval(next_y)
+        token = y.item()
+        now = time.perf_counter()
+        if n == 0:
+            prompt_time, first, last = now - tic, now, now
+        eos = token in eos_ids
+        if eos:
+            detok.finalize()
+            text = detok.last_segment
+        else:
+            detok.add_token(token)
+            if n + 1 == max_tokens:
+                detok.finalize()
+            text = detok.last_segment
+        finish = "stop" if eos else ("length" if n + 1 == max_tokens else None)
+        yield TokenEvent(
+            token=token,
+            text=text,
+            index=n,
+            exit_layer=num_layers,
+            num_layers=num_layers,
+            drafted=False,
+            prompt_tokens=len(prompt),
+            prefill_tokens=len(feed),
+            prompt_time_s=prompt_time,
+            token_time_s=now - last,
+            elapsed_s=now - first,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            eos=eos,
+        )
+        last = now
+        if eos:
+            return
+        if n % 256 == 255:
+            mx.clear_cache()
+        y = next_y

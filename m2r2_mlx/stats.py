@@ -1,0 +1,56 @@
+"""Running statistics over a stream of TokenEvents (shared by the chat, its one-shot mode and benchmarks)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .generate import TokenEvent
+
+
+@dataclass
+class AnswerStats:
+    num_layers: int = 0
+    tokens: int = 0  # answer tokens, end-of-sequence excluded
+    drafted: int = 0
+    exit_layers: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    prompt_time_s: float = 0.0
+    elapsed_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None
+
+    def add(self, ev: TokenEvent) -> None:
+        self.num_layers = ev.num_layers
+        self.prompt_tokens, self.prefill_tokens, self.prompt_time_s = ev.prompt_tokens, ev.prefill_tokens, ev.prompt_time_s
+        self.elapsed_s = ev.elapsed_s
+        self.peak_memory_gb = max(self.peak_memory_gb, ev.peak_memory_gb)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        if ev.eos:
+            return
+        self.tokens += 1
+        self.drafted += ev.drafted
+        self.exit_layers.append(ev.exit_layer)
+
+    @property
+    def tokens_per_s(self) -> float:
+        # the first token is the prefill's; decode rate counts the ones after it
+        return (self.tokens - 1) / self.elapsed_s if self.tokens > 1 and self.elapsed_s > 0 else 0.0
+
+    @property
+    def layers_skipped(self) -> float:
+        if not self.exit_layers or not self.num_layers:
+            return 0.0
+        return 1.0 - sum(self.exit_layers) / (len(self.exit_layers) * self.num_layers)
+
+    def exit_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.exit_layers).items()))
+
+    def summary(self) -> str:
+        hist = " ".join(f"L{layer}x{n}" for layer, n in self.exit_histogram().items()) or "-"
+        return (
+            f"{self.tokens} tokens, {self.tokens_per_s:.1f} tok/s, prefill {self.prefill_tokens}/{self.prompt_tokens} tokens "
+            f"in {self.prompt_time_s:.2f}s, exit depth [{hist}] of {self.num_layers} layers, "
+            f"{100 * self.layers_skipped:.0f}% layers skipped, peak {self.peak_memory_gb:.2f} GB"
+        )

@@ -1,0 +1,267 @@
+"""The Textual chat screen: conversation on the left, live decode statistics on the right.
+
+All MLX work (loading, decoding) runs on one background thread, so the interface
+never freezes and MLX always sees the same thread; tokens reach the screen
+through ``call_from_thread``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Header, Input, Label, Sparkline, Static
+
+from m2r2_mlx.blas import blas_info
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.stats import AnswerStats
+
+from .chat import generation_options
+from .render import legend, token_text
+
+HELP = ("/regen  answer again · /reset  new conversation · /save FILE (/save! FILE overwrites) · "
+        "/load FILE · /copy  copy last answer · /quit")
+
+
+class MLXThread:
+    """One long-lived thread that runs every MLX job in order."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="mlx", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+class ChatApp(App):
+    TITLE = "m2r2-chat"
+    CSS = """
+    #main { height: 1fr; }
+    #log { width: 1fr; padding: 0 1; }
+    #side { width: 38; border-left: solid $primary; padding: 0 1; }
+    .user { color: $text-muted; margin-top: 1; }
+    .assistant { margin-bottom: 1; }
+    .notice { color: $warning; }
+    #spark { height: 3; }
+    #legend { height: 1; padding: 0 1; }
+    """
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel answer"),
+        Binding("ctrl+r", "regen", "Regenerate"),
+        Binding("ctrl+y", "copy", "Copy answer"),
+        Binding("ctrl+l", "reset", "New chat"),
+        Binding("ctrl+q", "quit", "Quit"),
+    ]
+
+    def __init__(self, args, lm=None) -> None:
+        super().__init__()
+        self.args = args
+        self.lm = lm
+        self.session = None
+        self.streaming = False
+        self.cancel_event = threading.Event()
+        self.mlx = MLXThread()
+
+    # ---- layout -------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            yield VerticalScroll(id="log")
+            with Vertical(id="side"):
+                yield Static("", id="stats")
+                yield Label("exit depth, last 64 tokens")
+                yield Sparkline([], id="spark")
+                yield Static("", id="hist")
+        yield Static("", id="legend")
+        yield Input(placeholder="loading the model…", id="input", disabled=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = f"{self.args.model} · {self.args.mode}"
+        self.mlx.submit(self._load)
+
+    def on_unmount(self) -> None:
+        self.cancel_event.set()
+        self.mlx.stop()
+
+    def _load(self) -> None:
+        from m2r2_mlx.chat import ChatSession
+        from m2r2_mlx.registry import load_model
+
+        try:
+            lm = self.lm or load_model(self.args.model)
+        except M2R2Error as e:
+            self.call_from_thread(self._say, f"error: {e}", "notice")
+            return
+        self.lm = lm
+        self.session = ChatSession(lm, system_prompt=self.args.system_prompt)
+        self.call_from_thread(self._ready)
+
+    def _ready(self) -> None:
+        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.args.mode}"
+        self.query_one("#legend", Static).update(legend([self.lm.num_layers], self.lm.num_layers))
+        self._show_stats(AnswerStats())
+        self._say(f"ready · {blas_info().describe()} · {HELP}", "notice")
+        self._unlock()
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _say(self, text: str | Text, classes: str = "") -> Static:
+        widget = Static(text, classes=classes)
+        log = self.query_one("#log", VerticalScroll)
+        log.mount(widget)
+        log.scroll_end(animate=False)
+        return widget
+
+    def _unlock(self) -> None:
+        box = self.query_one("#input", Input)
+        box.disabled = False
+        box.placeholder = "message, or /help"
+        box.focus()
+
+    def _show_stats(self, s: AnswerStats) -> None:
+        accepted = s.tokens / max(s.tokens - s.drafted, 1) if s.tokens else 0.0
+        self.query_one("#stats", Static).update(
+            f"tokens/s       {s.tokens_per_s:8.1f}\n"
+            f"tokens         {s.tokens:8d}\n"
+            f"accepted/step  {accepted:8.2f}\n"
+            f"layers skipped {100 * s.layers_skipped:7.0f}%\n"
+            f"peak memory    {s.peak_memory_gb:6.2f} GB\n"
+            f"prefill        {s.prefill_tokens:>4d}/{s.prompt_tokens:<4d}\n"
+            f"BLAS           {blas_info().name:>8s}"
+        )
+        self.query_one("#spark", Sparkline).data = s.exit_layers[-64:] or [0]
+        hist = s.exit_histogram()
+        top = max(hist.values(), default=1)
+        self.query_one("#hist", Static).update(
+            "\n".join(f"L{d:<3d}{'█' * max(1, round(20 * n / top))} {n}" for d, n in hist.items())
+        )
+
+    # ---- answering ----------------------------------------------------------------------
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        event.input.value = ""
+        if not text or self.streaming or self.session is None:
+            return
+        if text.startswith("/"):
+            self._command(text)
+            return
+        self._say(Text(f"you › {text}"), "user")
+        self._answer(lambda: self.session.send(text, **generation_options(self.args)))
+
+    def _answer(self, make_stream: Callable[[], Iterator]) -> None:
+        self.streaming = True
+        self.cancel_event.clear()
+        box = self.query_one("#input", Input)
+        box.disabled = True
+        box.placeholder = "answering… (Esc cancels)"
+        widget = self._say(Text(""), "assistant")
+        self.mlx.submit(lambda: self._stream(make_stream, widget))
+
+    def _stream(self, make_stream: Callable[[], Iterator], widget: Static) -> None:
+        """Runs on the MLX thread."""
+        stats, text, note = AnswerStats(), Text(), None
+        try:
+            stream = make_stream()
+            try:
+                for ev in stream:
+                    stats.add(ev)
+                    text.append_text(token_text(ev.text, ev.exit_layer, ev.num_layers, ev.drafted))
+                    self.call_from_thread(self._progress, widget, text.copy(), stats)
+                    if self.cancel_event.is_set():
+                        note = "cancelled"
+                        break
+            finally:
+                stream.close()  # the session records the partial answer; the cache stays consistent
+        except M2R2Error as e:
+            note = f"error: {e}"
+        self.call_from_thread(self._finished, stats, note)
+
+    def _progress(self, widget: Static, text: Text, stats: AnswerStats) -> None:
+        widget.update(text)
+        self._show_stats(stats)
+        self.query_one("#log", VerticalScroll).scroll_end(animate=False)
+
+    def _finished(self, stats: AnswerStats, note: str | None) -> None:
+        self.streaming = False
+        if note:
+            self._say(note, "notice")
+        self._show_stats(stats)
+        self._unlock()
+
+    # ---- actions and slash commands ------------------------------------------------------
+    def action_cancel(self) -> None:
+        if self.streaming:
+            self.cancel_event.set()
+
+    def action_regen(self) -> None:
+        if self.session is None or self.streaming:
+            return
+        try:
+            stream = self.session.regenerate(**generation_options(self.args))
+        except M2R2Error as e:
+            self._say(f"error: {e}", "notice")
+            return
+        self._say("(regenerating)", "notice")
+        self._answer(lambda: stream)
+
+    def action_copy(self) -> None:
+        if self.session and self.session.last_answer:
+            self.copy_to_clipboard(self.session.last_answer)
+            self.notify("last answer copied")
+
+    def action_reset(self) -> None:
+        if self.session is None or self.streaming:
+            return
+        self.session.reset()
+        self.query_one("#log", VerticalScroll).remove_children()
+        self._show_stats(AnswerStats())
+        self._say("new conversation", "notice")
+
+    def _command(self, line: str) -> None:
+        cmd, _, arg = line.partition(" ")
+        arg = arg.strip()
+        try:
+            if cmd == "/regen":
+                self.action_regen()
+            elif cmd == "/reset":
+                self.action_reset()
+            elif cmd == "/copy":
+                self.action_copy()
+            elif cmd in ("/save", "/save!"):
+                if not arg:
+                    raise M2R2Error("usage: /save FILE")
+                path = self.session.save(arg, overwrite=cmd == "/save!")
+                self._say(f"saved {len(self.session.messages)} messages to {path}", "notice")
+            elif cmd == "/load":
+                if not arg:
+                    raise M2R2Error("usage: /load FILE")
+                self.session.load(arg)
+                self.query_one("#log", VerticalScroll).remove_children()
+                for m in self.session.messages:
+                    if m["role"] != "system":
+                        self._say(Text(("you › " if m["role"] == "user" else "") + m["content"]),
+                                  "user" if m["role"] == "user" else "assistant")
+                self._say(f"loaded {Path(arg).name}", "notice")
+            elif cmd in ("/quit", "/exit"):
+                self.exit()
+            elif cmd == "/help":
+                self._say(HELP, "notice")
+            else:
+                raise M2R2Error(f"unknown command {cmd}; {HELP}")
+        except M2R2Error as e:
+            self._say(f"error: {e}", "notice")

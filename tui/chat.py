@@ -1,0 +1,86 @@
+"""m2r2-chat: chat with a model in the terminal, or print one answer with --prompt.
+
+    m2r2-chat                                   # Textual chat on the embedded SmolLM2-135M
+    m2r2-chat --model phi3                      # a hub model by alias (downloaded once)
+    m2r2-chat --prompt "What is the capital of France?"   # one answer, no UI
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
+from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.registry import ALIASES, DEFAULT_MODEL
+
+MODES = ["plain"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="m2r2-chat", description="Chat with an MLX model; every token is coloured by its exit depth.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: {DEFAULT_MODEL}, embedded)")
+    p.add_argument("--mode", choices=MODES, default="plain", help="decoding mode (default: plain)")
+    p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise M2R2Error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    if args.temp < 0:
+        raise M2R2Error(f"--temp must be 0 (greedy) or positive (got {args.temp})")
+    if not 0 < args.top_p <= 1:
+        raise M2R2Error(f"--top-p must be in (0, 1] (got {args.top_p})")
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
+
+
+def one_shot(args: argparse.Namespace) -> int:
+    from m2r2_mlx.blas import blas_info
+    from m2r2_mlx.chat import ChatSession
+    from m2r2_mlx.registry import load_model
+    from m2r2_mlx.stats import AnswerStats
+
+    lm = load_model(args.model)
+    session = ChatSession(lm, system_prompt=args.system_prompt)
+    stats = AnswerStats()
+    for ev in session.send(args.prompt, **generation_options(args)):
+        stats.add(ev)
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(f"[{lm.name} | {args.mode} | {stats.summary()} | {blas_info().name} BLAS]", file=sys.stderr)
+    return 0
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
+    check_args(args)
+    if args.prompt is not None:
+        return one_shot(args)
+    from m2r2_mlx.registry import resolve_model_path
+
+    resolve_model_path(args.model)  # bad names fail here with one line; a first import shows progress
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise M2R2Error('no terminal to draw the chat in; pass --prompt "..." for a one-shot answer')
+    from tui.app import ChatApp
+
+    ChatApp(args).run()
+    return 0
+
+
+def main() -> None:
+    sys.exit(run_cli("m2r2-chat", _main))
+
+
+if __name__ == "__main__":
+    main()
