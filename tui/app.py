@@ -93,47 +93,47 @@ class ChatApp(App):
 
     def on_mount(self) -> None:
         self.sub_title = f"{self.args.model} · {self.args.mode}"
-        self.mlx.submit(self._load)
+        self.mlx.submit(self._job_load)
 
     def on_unmount(self) -> None:
         self.cancel_event.set()
         self.mlx.stop()
 
-    def _load(self) -> None:
+    def _job_load(self) -> None:
         from m2r2_mlx.chat import ChatSession
         from m2r2_mlx.registry import load_model
 
         try:
             lm = self.lm or load_model(self.args.model)
         except M2R2Error as e:
-            self.call_from_thread(self._say, f"error: {e}", "notice")
+            self.call_from_thread(self._post, f"error: {e}", "notice")
             return
         self.lm = lm
         self.session = ChatSession(lm, system_prompt=self.args.system_prompt)
-        self.call_from_thread(self._ready)
+        self.call_from_thread(self._model_ready)
 
-    def _ready(self) -> None:
+    def _model_ready(self) -> None:
         self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.args.mode}"
         self.query_one("#legend", Static).update(legend([self.lm.num_layers], self.lm.num_layers))
-        self._show_stats(AnswerStats())
-        self._say(f"ready · {blas_info().describe()} · {HELP}", "notice")
-        self._unlock()
+        self._update_stats(AnswerStats())
+        self._post(f"ready · {blas_info().describe()} · {HELP}", "notice")
+        self._unlock_input()
 
     # ---- helpers ------------------------------------------------------------------------
-    def _say(self, text: str | Text, classes: str = "") -> Static:
+    def _post(self, text: str | Text, classes: str = "") -> Static:
         widget = Static(text, classes=classes)
         log = self.query_one("#log", VerticalScroll)
         log.mount(widget)
         log.scroll_end(animate=False)
         return widget
 
-    def _unlock(self) -> None:
+    def _unlock_input(self) -> None:
         box = self.query_one("#input", Input)
         box.disabled = False
         box.placeholder = "message, or /help"
         box.focus()
 
-    def _show_stats(self, s: AnswerStats) -> None:
+    def _update_stats(self, s: AnswerStats) -> None:
         accepted = s.tokens / max(s.tokens - s.drafted, 1) if s.tokens else 0.0
         self.query_one("#stats", Static).update(
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
@@ -158,21 +158,21 @@ class ChatApp(App):
         if not text or self.streaming or self.session is None:
             return
         if text.startswith("/"):
-            self._command(text)
+            self._run_command(text)
             return
-        self._say(Text(f"you › {text}"), "user")
-        self._answer(lambda: self.session.send(text, **generation_options(self.args)))
+        self._post(Text(f"you › {text}"), "user")
+        self._start_answer(lambda: self.session.send(text, **generation_options(self.args)))
 
-    def _answer(self, make_stream: Callable[[], Iterator]) -> None:
+    def _start_answer(self, make_stream: Callable[[], Iterator]) -> None:
         self.streaming = True
         self.cancel_event.clear()
         box = self.query_one("#input", Input)
         box.disabled = True
         box.placeholder = "answering… (Esc cancels)"
-        widget = self._say(Text(""), "assistant")
-        self.mlx.submit(lambda: self._stream(make_stream, widget))
+        widget = self._post(Text(""), "assistant")
+        self.mlx.submit(lambda: self._job_stream(make_stream, widget))
 
-    def _stream(self, make_stream: Callable[[], Iterator], widget: Static) -> None:
+    def _job_stream(self, make_stream: Callable[[], Iterator], widget: Static) -> None:
         """Runs on the MLX thread."""
         stats, text, note = AnswerStats(), Text(), None
         try:
@@ -181,7 +181,7 @@ class ChatApp(App):
                 for ev in stream:
                     stats.add(ev)
                     text.append_text(token_text(ev.text, ev.exit_layer, ev.num_layers, ev.drafted))
-                    self.call_from_thread(self._progress, widget, text.copy(), stats)
+                    self.call_from_thread(self._stream_progress, widget, text.copy(), stats)
                     if self.cancel_event.is_set():
                         note = "cancelled"
                         break
@@ -189,19 +189,19 @@ class ChatApp(App):
                 stream.close()  # the session records the partial answer; the cache stays consistent
         except M2R2Error as e:
             note = f"error: {e}"
-        self.call_from_thread(self._finished, stats, note)
+        self.call_from_thread(self._stream_finished, stats, note)
 
-    def _progress(self, widget: Static, text: Text, stats: AnswerStats) -> None:
+    def _stream_progress(self, widget: Static, text: Text, stats: AnswerStats) -> None:
         widget.update(text)
-        self._show_stats(stats)
+        self._update_stats(stats)
         self.query_one("#log", VerticalScroll).scroll_end(animate=False)
 
-    def _finished(self, stats: AnswerStats, note: str | None) -> None:
+    def _stream_finished(self, stats: AnswerStats, note: str | None) -> None:
         self.streaming = False
         if note:
-            self._say(note, "notice")
-        self._show_stats(stats)
-        self._unlock()
+            self._post(note, "notice")
+        self._update_stats(stats)
+        self._unlock_input()
 
     # ---- actions and slash commands ------------------------------------------------------
     def action_cancel(self) -> None:
@@ -214,10 +214,10 @@ class ChatApp(App):
         try:
             stream = self.session.regenerate(**generation_options(self.args))
         except M2R2Error as e:
-            self._say(f"error: {e}", "notice")
+            self._post(f"error: {e}", "notice")
             return
-        self._say("(regenerating)", "notice")
-        self._answer(lambda: stream)
+        self._post("(regenerating)", "notice")
+        self._start_answer(lambda: stream)
 
     def action_copy(self) -> None:
         if self.session and self.session.last_answer:
@@ -229,10 +229,10 @@ class ChatApp(App):
             return
         self.session.reset()
         self.query_one("#log", VerticalScroll).remove_children()
-        self._show_stats(AnswerStats())
-        self._say("new conversation", "notice")
+        self._update_stats(AnswerStats())
+        self._post("new conversation", "notice")
 
-    def _command(self, line: str) -> None:
+    def _run_command(self, line: str) -> None:
         cmd, _, arg = line.partition(" ")
         arg = arg.strip()
         try:
@@ -246,7 +246,7 @@ class ChatApp(App):
                 if not arg:
                     raise M2R2Error("usage: /save FILE")
                 path = self.session.save(arg, overwrite=cmd == "/save!")
-                self._say(f"saved {len(self.session.messages)} messages to {path}", "notice")
+                self._post(f"saved {len(self.session.messages)} messages to {path}", "notice")
             elif cmd == "/load":
                 if not arg:
                     raise M2R2Error("usage: /load FILE")
@@ -254,14 +254,14 @@ class ChatApp(App):
                 self.query_one("#log", VerticalScroll).remove_children()
                 for m in self.session.messages:
                     if m["role"] != "system":
-                        self._say(Text(("you › " if m["role"] == "user" else "") + m["content"]),
+                        self._post(Text(("you › " if m["role"] == "user" else "") + m["content"]),
                                   "user" if m["role"] == "user" else "assistant")
-                self._say(f"loaded {Path(arg).name}", "notice")
+                self._post(f"loaded {Path(arg).name}", "notice")
             elif cmd in ("/quit", "/exit"):
                 self.exit()
             elif cmd == "/help":
-                self._say(HELP, "notice")
+                self._post(HELP, "notice")
             else:
                 raise M2R2Error(f"unknown command {cmd}; {HELP}")
         except M2R2Error as e:
-            self._say(f"error: {e}", "notice")
+            self._post(f"error: {e}", "notice")
