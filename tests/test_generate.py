@@ -1,0 +1,61 @@
+"""Plain decoding on the real default model."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import generate as mlx_lm_generate
+from mlx_lm.sample_utils import make_sampler
+
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.generate import PromptCache, generate
+
+
+def test_greedy_equals_mlx_lm(lm, france_prompt):
+    events = list(generate(lm.model, lm.tokenizer, france_prompt, max_tokens=24))
+    ours = "".join(e.text for e in events)
+    theirs = mlx_lm_generate(lm.model, lm.tokenizer, france_prompt, max_tokens=24, sampler=make_sampler(0.0))
+    assert ours == theirs
+
+
+def test_events_describe_each_token(lm, france_prompt):
+    events = list(generate(lm.model, lm.tokenizer, france_prompt, max_tokens=64))
+    last = events[-1]
+    assert last.eos and last.finish_reason == "stop" and last.text == ""
+    assert [e.index for e in events] == list(range(len(events)))
+    assert all(e.exit_layer == e.num_layers == 30 and not e.drafted for e in events)
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert all(e.prompt_tokens == e.prefill_tokens == len(france_prompt) for e in events)
+    assert events[-1].elapsed_s > 0 and events[0].prompt_time_s > 0 and events[-1].peak_memory_gb > 0.1
+    assert lm.tokenizer.decode([e.token for e in events[:-1]]) == "".join(e.text for e in events)
+
+
+def test_max_tokens_stops_with_length(lm, france_prompt):
+    events = list(generate(lm.model, lm.tokenizer, france_prompt, max_tokens=3))
+    assert len(events) == 3 and events[-1].finish_reason == "length" and not events[-1].eos
+
+
+def test_sampling_is_seeded(lm, france_prompt):
+    def run(seed):
+        return [e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=12, temperature=1.0, seed=seed)]
+
+    a, b = run(1), run(1)
+    assert a == b
+    assert any(run(s) != a for s in (2, 3, 4))
+
+
+def test_top_p_tiny_is_greedy(lm, france_prompt):
+    greedy = [e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=10)]
+    nucleus = [e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=10, temperature=1.0, top_p=1e-6, seed=0)]
+    assert nucleus == greedy
+
+
+def test_cache_holds_exactly_the_fed_tokens(lm, france_prompt):
+    cache = PromptCache(lm.model)
+    events = list(generate(lm.model, lm.tokenizer, france_prompt, cache=cache, max_tokens=64))
+    # every token fed to the model is recorded, and the KV cache holds that many positions
+    assert cache.tokens == list(france_prompt) + [e.token for e in events]
+    assert cache.layers[0].offset == len(cache.tokens)
+
+
+def test_prompt_longer_than_context(lm):
+    with pytest.raises(M2R2Error, match="context holds 8192"):
+        list(generate(lm.model, lm.tokenizer, [1] * 9000, context_length=lm.context_length))
