@@ -1,0 +1,102 @@
+"""The Textual chat, driven with Pilot on the real default model."""
+
+import argparse
+import asyncio
+
+from textual.widgets import Input, Static
+
+from tui.app import ChatApp
+from tui.chat import build_parser
+
+
+def _args(*argv) -> argparse.Namespace:
+    return build_parser().parse_args(["--max-tokens", "40", *argv])
+
+
+async def _wait(pilot, cond, timeout=120.0):
+    for _ in range(int(timeout / 0.1)):
+        if cond():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError("timed out waiting for the app")
+
+
+def _answers(app):
+    return [w for w in app.query(".assistant").results(Static)]
+
+
+async def _ask(pilot, app, text):
+    box = app.query_one("#input", Input)
+    await _wait(pilot, lambda: not box.disabled)
+    before = len(app.session.messages)
+    box.value = text
+    await pilot.press("enter")
+    # the answer is in the history once the stream has closed
+    await _wait(pilot, lambda: len(app.session.messages) == before + 2 and not app.streaming)
+    await pilot.pause(0.1)
+
+
+def test_chat_answers_and_shows_stats(lm):
+    async def run():
+        app = ChatApp(_args(), lm=lm)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _ask(pilot, app, "What is the capital of France?")
+            answer = str(_answers(app)[-1].render())
+            assert "Paris" in answer
+            stats = str(app.query_one("#stats", Static).render())
+            assert "tokens/s" in stats and "prefill" in stats
+            assert "L30" in str(app.query_one("#hist", Static).render())
+            assert app.session.messages[-1]["content"] in answer
+            # second turn reuses the cache
+            await _ask(pilot, app, "And of Germany?")
+            assert "Berlin" in str(_answers(app)[-1].render())
+            # /reset clears history and screen
+            await _ask_command(pilot, app, "/reset")
+            assert app.session.messages == [] and not _answers(app)
+
+    asyncio.run(run())
+
+
+async def _ask_command(pilot, app, text):
+    box = app.query_one("#input", Input)
+    box.value = text
+    await pilot.press("enter")
+    await pilot.pause(0.2)
+
+
+def test_escape_cancels_and_input_unlocks(lm):
+    async def run():
+        app = ChatApp(_args("--max-tokens", "400"), lm=lm)
+        async with app.run_test(size=(120, 36)) as pilot:
+            box = app.query_one("#input", Input)
+            await _wait(pilot, lambda: not box.disabled)
+            box.value = "Write a very long story about a dragon."
+            await pilot.press("enter")
+            await _wait(pilot, lambda: len(app.session.cache) > 60)  # prompt and some answer
+            assert app.streaming and box.disabled  # input locked while streaming
+            await pilot.press("escape")
+            await _wait(pilot, lambda: not app.streaming)
+            assert not box.disabled
+            assert any("cancelled" in str(w.render()) for w in app.query(".notice").results(Static))
+            partial = app.session.messages[-1]["content"]
+            assert 0 < len(lm.tokenizer.encode(partial)) < 400
+
+    asyncio.run(run())
+
+
+def test_save_and_load_commands(lm, tmp_path):
+    async def run():
+        app = ChatApp(_args(), lm=lm)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _ask(pilot, app, "What is the capital of France?")
+            target = tmp_path / "c.json"
+            await _ask_command(pilot, app, f"/save {target}")
+            assert target.is_file()
+            await _ask_command(pilot, app, f"/save {target}")  # refuses to overwrite
+            assert any("already exists" in str(w.render()) for w in app.query(".notice").results(Static))
+            await _ask_command(pilot, app, "/reset")
+            await _ask_command(pilot, app, f"/load {target}")
+            assert [m["role"] for m in app.session.messages] == ["user", "assistant"]
+            assert "Paris" in str(_answers(app)[-1].render())
+
+    asyncio.run(run())
