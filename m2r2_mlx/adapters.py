@@ -1,0 +1,72 @@
+"""Adapters folders: ``adapters.safetensors`` + ``m2r2_config.json``, written atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .base_model import BaseParts, config_hash
+from .config import ADAPTERS_FILE, M2R2Config, even_gates
+from .errors import M2R2Error
+from .fast_stream import M2R2Model
+
+
+def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64, arla_dim: int = 64) -> M2R2Model:
+    """Fresh (zero-initialised) adapters for a loaded base model."""
+    parts = BaseParts(lm.model)
+    cfg = M2R2Config(
+        gates=gates or even_gates(parts.num_layers, every),
+        num_layers=parts.num_layers,
+        hidden_size=parts.hidden_size,
+        adapter_rank=rank,
+        arla_dim=arla_dim,
+        base_model=str(lm.name),
+        base_config_hash=config_hash(lm.config),
+    )
+    return M2R2Model(lm.model, cfg)
+
+
+def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False) -> Path:
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
+        m2r2.config.save(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_adapters(lm, folder: str | Path) -> M2R2Model:
+    """Load adapters for ``lm``; refuse adapters made for another base model."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise M2R2Error(f"adapters folder {folder} not found; check --adapters")
+    cfg = M2R2Config.load(folder)
+    have = config_hash(lm.config)
+    if cfg.base_config_hash != have or cfg.num_layers != len(lm.model.layers):
+        raise M2R2Error(
+            f"adapters in {folder} were made for base {cfg.base_model!r} (config {cfg.base_config_hash}), "
+            f"not for {lm.name!r} (config {have}); use adapters trained for this model, or train them with m2r2-train"
+        )
+    m2r2 = M2R2Model(lm.model, cfg)
+    path = folder / ADAPTERS_FILE
+    try:
+        weights = mx.load(str(path))
+        m2r2.load_weights(list(weights.items()), strict=True)
+    except Exception as e:
+        raise M2R2Error(f"{path} cannot be loaded ({type(e).__name__}: {str(e)[:120]}); it is missing, truncated or from another config") from None
+    mx.eval(m2r2.parameters())
+    return m2r2

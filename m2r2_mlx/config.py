@@ -1,0 +1,57 @@
+"""M2R2Config: what an adapters folder was trained for, saved as m2r2_config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import M2R2Error
+
+CONFIG_FILE = "m2r2_config.json"
+ADAPTERS_FILE = "adapters.safetensors"
+
+
+def even_gates(num_layers: int, every: int) -> list[int]:
+    """Gates every ``every`` layers, excluding the last layer (that exit is the base model's own)."""
+    return [g for g in range(every, num_layers, every)]
+
+
+@dataclass
+class M2R2Config:
+    gates: list[int]  # exit layers g_1 < ... < g_J (1-based layer counts: an exit after g layers)
+    num_layers: int
+    hidden_size: int
+    adapter_form: str = "parallel_bottleneck"  # h <- layer(h) + up(silu(down(rmsnorm(h)))) per fast-stream layer
+    adapter_rank: int = 64
+    arla_dim: int = 64
+    base_model: str = ""
+    base_config_hash: str = ""
+    extra: dict = field(default_factory=dict)  # training recipe, metrics: informational
+
+    def __post_init__(self):
+        g = self.gates
+        if not g or g != sorted(set(g)) or g[0] < 1 or g[-1] >= self.num_layers:
+            raise M2R2Error(f"gates {g} must be increasing layer counts in 1..{self.num_layers - 1}")
+        if self.adapter_form != "parallel_bottleneck":
+            raise M2R2Error(f"adapter form {self.adapter_form!r} is unknown; this version has 'parallel_bottleneck'")
+        if self.adapter_rank < 1:
+            raise M2R2Error(f"adapter rank must be at least 1 (got {self.adapter_rank})")
+
+    def intervals(self) -> list[tuple[int, int]]:
+        """(start, stop) layer ranges the fast stream covers: [g_(j-1), g_j) with g_0 = 0."""
+        starts = [0] + self.gates[:-1]
+        return list(zip(starts, self.gates))
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / CONFIG_FILE).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, folder: Path) -> "M2R2Config":
+        path = Path(folder) / CONFIG_FILE
+        if not path.is_file():
+            raise M2R2Error(f"{folder} has no {CONFIG_FILE}; it is not an M2R2 adapters folder")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (TypeError, ValueError) as e:
+            raise M2R2Error(f"{path} is not a valid M2R2 config ({e})") from None

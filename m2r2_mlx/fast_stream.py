@@ -1,0 +1,137 @@
+"""The multi-rate residual model: a frozen base (slow stream) and a fast stream with adapters.
+
+In interval j = [g_(j-1), g_j) the fast stream restarts from the slow state at
+g_(j-1), runs the same base layers plus one small adapter per layer, and at g_j
+exits through the base model's final norm and LM head, trained to match the
+final layer. Attention in the fast stream reads the slow stream's keys and
+values for earlier positions (the KV cache is shared; the fast stream owns none)
+and its own key/value for the current position only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .base_model import BaseParts
+
+
+class BottleneckAdapter(nn.Module):
+    """A parallel bottleneck on the residual: delta = up(silu(down(rmsnorm(h)))); ``up`` starts at zero.
+
+    Parallel to the whole block, so it needs no knowledge of the architecture's
+    projections (fused qkv in phi3, experts in olmoe): one form serves every base.
+    """
+
+    def __init__(self, dims: int, rank: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(dims)
+        self.down = nn.Linear(dims, rank, bias=False)
+        self.up = nn.Linear(rank, dims, bias=False)
+        self.up.weight = mx.zeros_like(self.up.weight)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.up(nn.silu(self.down(self.norm(h))))
+
+
+class SlowKVView:
+    """The fast stream's window onto one layer's slow KV cache at decode time.
+
+    ``update_and_fetch`` returns the slow keys/values of earlier positions with the
+    fast stream's own for the new positions appended, and stores nothing.
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.cache.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = self.cache.offset
+        if n == 0 or self.cache.keys is None:
+            return keys, values
+        past_k, past_v = self.cache.keys[..., :n, :], self.cache.values[..., :n, :]
+        return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
+
+
+class ParallelKV:
+    """Training-time twin of SlowKVView over a whole sequence at once.
+
+    Keys = [slow keys of all T positions | fast keys of all T positions]; with
+    ``parallel_mask`` each fast query t sees slow keys < t and its own fast key,
+    exactly what SlowKVView gives one decoded token.
+    """
+
+    offset = 0
+
+    def __init__(self, slow_keys: mx.array, slow_values: mx.array):
+        self.k, self.v = slow_keys, slow_values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return mx.concatenate([self.k, keys], axis=2), mx.concatenate([self.v, values], axis=2)
+
+
+def parallel_mask(T: int) -> mx.array:
+    i = mx.arange(T)[:, None]
+    j = mx.arange(T)[None, :]
+    return mx.concatenate([j < i, j == i], axis=1)
+
+
+class M2R2Model(nn.Module):
+    """Adapters (the only trainable weights) over a frozen mlx-lm base model."""
+
+    def __init__(self, base_model, config):
+        super().__init__()
+        self.config = config
+        self.parts = BaseParts(base_model)  # a plain attribute: the base is not part of our parameters
+        self.adapters = [BottleneckAdapter(config.hidden_size, config.adapter_rank) for _ in range(config.gates[-1])]
+
+    @property
+    def base(self):
+        return self.parts.model
+
+    def fast_layers(self, h: mx.array, start: int, stop: int, mask, views) -> mx.array:
+        for i in range(start, stop):
+            h = self.parts.layers[i](h, mask, cache=views[i]) + self.adapters[i](h)
+        return h
+
+    # ---- decode time -------------------------------------------------------------------
+    def fast_exit_state(self, h_start: mx.array, gate_index: int, cache_layers) -> mx.array:
+        """Fast-stream state at gate ``gate_index`` for new tokens whose slow state at the
+        interval's start is ``h_start``; earlier positions come from ``cache_layers``."""
+        start, stop = self.config.intervals()[gate_index]
+        views = {i: SlowKVView(cache_layers[i]) for i in range(start, stop)}
+        mask = self.parts.mask(h_start, views[start])
+        return self.fast_layers(h_start, start, stop, mask, views)
+
+    # ---- training time -----------------------------------------------------------------
+    def slow_pass(self, ids: mx.array):
+        """Frozen base over whole sequences: slow states at g_0 and every gate, final state, K/V."""
+        parts, gates = self.parts, set(self.config.gates)
+        cache = make_prompt_cache(self.base)
+        h = parts.embed(ids)
+        states = {0: h}
+        mask = parts.mask(h, None)
+        for i, layer in enumerate(parts.layers):
+            h = layer(h, mask, cache=cache[i])
+            if i + 1 in gates:
+                states[i + 1] = h
+        T = ids.shape[1]
+        kv = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
+        return states, h, kv
+
+    def fast_states(self, states: dict, kv) -> list[mx.array]:
+        """Fast-stream state at every gate, for whole sequences (teacher-forced on the slow stream)."""
+        T = states[0].shape[1]
+        mask = parallel_mask(T)
+        out = []
+        for start, stop in self.config.intervals():
+            views = {i: ParallelKV(*kv[i]) for i in range(start, stop)}
+            out.append(self.fast_layers(states[start], start, stop, mask, views))
+        return out

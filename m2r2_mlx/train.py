@@ -1,0 +1,196 @@
+"""m2r2-train: train M2R2 accelerator adapters on a frozen base model.
+
+    m2r2-train --model smollm2 --text corpus.txt --prompts prompts.jsonl -o adapters/smollm2
+
+Recipe (docs/training.md): the slow stream runs once per batch outside the
+gradient (it is frozen); only the fast stream's layers are differentiated, and
+only the adapters get gradients. Loss = sum over gates of temperature-scaled
+KL(p_final || p_gate) + align * (1 - cos(h_fast at gate, h_final)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .adapters import load_adapters, new_m2r2, save_adapters
+from .data import pack_rows, read_prompts, read_text_files, self_distill
+from .errors import M2R2Error, run_cli
+from .evaluate import gate_agreement
+from .losses import gate_loss, teacher_targets
+
+CHECKPOINT = "checkpoint"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="m2r2-train", description="Train M2R2 accelerator adapters on a frozen base model.")
+    p.add_argument("--model", default=None, help="base model: alias, repo id, folder or .gguf (default: embedded smollm2)")
+    p.add_argument("-o", "--output", required=True, help="adapters folder to write")
+    p.add_argument("--text", nargs="*", default=[], help="plain text files")
+    p.add_argument("--prompts", help="jsonl of prompts; the base model's own answers are generated first (self-distillation)")
+    p.add_argument("--answer-tokens", type=int, default=160, help="most tokens per self-distilled answer")
+    p.add_argument("--gates", help="comma-separated exit layers, e.g. 6,12,18,24 (default: every --every layers)")
+    p.add_argument("--every", type=int, default=6, help="gate spacing when --gates is not given (default 6)")
+    p.add_argument("--rank", type=int, default=64, help="adapter bottleneck rank (default 64)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--align", type=float, default=1.0, help="weight of the cosine alignment term")
+    p.add_argument("--eval-rows", type=int, default=16, help="held-out rows for the final evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _atomic_json(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def load_rows(args, lm, out: Path) -> np.ndarray:
+    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy)."""
+    from tqdm.auto import tqdm
+
+    cache = out / "data.npy"
+    if cache.is_file():
+        return np.load(cache)
+    seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
+    if args.prompts:
+        prompts = read_prompts(args.prompts)
+        with tqdm(total=len(prompts), desc="self-distilling answers", unit="prompt") as bar:
+            seqs += self_distill(lm, prompts, args.answer_tokens, progress=bar.update)
+    if not seqs:
+        raise M2R2Error("no training data: pass --text FILE... and/or --prompts FILE.jsonl")
+    rows = pack_rows(seqs, args.seq_len)
+    rows = rows[np.random.default_rng(args.seed).permutation(len(rows))]
+    np.save(cache, rows)
+    return rows
+
+
+def save_checkpoint(m2r2, opt, step: int, out: Path) -> None:
+    ck = out / CHECKPOINT
+    tmp = out / f".{CHECKPOINT}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapters(m2r2, tmp / "adapters")
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    _atomic_json(tmp / "state.json", {"step": step})
+    shutil.rmtree(ck, ignore_errors=True)
+    os.replace(tmp, ck)
+
+
+def train(args) -> Path:
+    from tqdm.auto import tqdm
+
+    from .registry import load_model
+
+    out = Path(args.output)
+    ck = out / CHECKPOINT
+    if out.exists() and not args.resume and not args.force:
+        raise M2R2Error(f"{out} already exists; pass --resume to continue it or --force to start over")
+    if args.force and not args.resume:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(args.seed)
+
+    lm = load_model(args.model)
+    lm.model.freeze()
+    gates = [int(g) for g in args.gates.split(",")] if args.gates else None
+    start = 0
+    if args.resume and ck.is_dir():
+        m2r2 = load_adapters(lm, ck / "adapters")
+        start = json.loads((ck / "state.json").read_text())["step"]
+    else:
+        m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank)
+    rows = load_rows(args, lm, out)
+    n_eval = min(args.eval_rows, max(1, len(rows) // 10))
+    eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
+    if len(train_rows) < args.batch_size:
+        raise M2R2Error(f"{len(train_rows)} training rows of {args.seq_len} tokens is fewer than one batch; add data")
+
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-6, args.lr, 20), optim.cosine_decay(args.lr, max(args.steps - 20, 1), args.lr * 0.05)], [20]
+    )
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    if start and (ck / "optimizer.safetensors").is_file():
+        opt.init(m2r2.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(ck / "optimizer.safetensors")).items()))
+
+    parts = m2r2.parts
+
+    def loss_fn(model, states, kv, final, teacher):
+        total, kls = 0.0, []
+        for fast in model.fast_states(states, kv):
+            loss, kl = gate_loss(parts, fast, final, teacher, args.temperature, args.align)
+            total = total + loss
+            kls.append(kl)
+        return total, mx.stack(kls)
+
+    value_and_grad = nn.value_and_grad(m2r2, loss_fn)
+    rng = np.random.default_rng(args.seed + start)
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training adapters", unit="step")
+    tokens, t0 = 0, time.perf_counter()
+    for step in bar:
+        ids = mx.array(train_rows[rng.integers(0, len(train_rows), args.batch_size)])
+        states, final, kv = m2r2.slow_pass(ids)  # frozen: computed once, outside the gradient
+        states = {k: mx.stop_gradient(v) for k, v in states.items()}
+        kv = [(mx.stop_gradient(k), mx.stop_gradient(v)) for k, v in kv]
+        final = mx.stop_gradient(final)
+        teacher = teacher_targets(parts, final, args.temperature)
+        mx.eval(states, kv, final, teacher)
+        (loss, kls), grads = value_and_grad(m2r2, states, kv, final, teacher)
+        opt.update(m2r2, grads)
+        mx.eval(m2r2.parameters(), opt.state, loss, kls)
+        tokens += ids.size
+        bar.set_postfix(loss=f"{loss.item():.3f}", kl="/".join(f"{k:.2f}" for k in kls.tolist()),
+                        tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            save_checkpoint(m2r2, opt, step + 1, out)
+    bar.close()
+
+    print("held-out evaluation…", file=sys.stderr)
+    metrics = gate_agreement(m2r2, eval_rows)
+    m2r2.config.extra = {
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("resume", "force", "output")},
+        "heldout_agreement": metrics,
+        "train_rows": int(len(train_rows)),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    save_adapters(m2r2, out, overwrite=True)
+    for j, g in enumerate(metrics["gates"]):
+        print(f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
+              f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
+    return out
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
+    train(args)
+    return 0
+
+
+def main() -> None:
+    sys.exit(run_cli("m2r2-train", _main))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The M2R2 fast stream on tiny models of several architectures."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.errors import M2R2Error
+
+from .tiny import CONFIGS, tiny_model
+
+ARCHS = list(CONFIGS)
+
+
+def _randomize(m2r2, scale=0.05, seed=1):
+    mx.random.seed(seed)
+    m2r2.update(tree_map(lambda p: mx.random.normal(p.shape) * scale, m2r2.parameters()))
+    mx.eval(m2r2.parameters())
+
+
+def _ids(T=9, B=2, seed=3, vocab=101):
+    return mx.array(np.random.default_rng(seed).integers(0, vocab, size=(B, T)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shapes(arch):
+    lm = tiny_model(arch)
+    m = new_m2r2(lm, gates=[2, 4])
+    states, final, kv = m.slow_pass(_ids())
+    fast = m.fast_states(states, kv)
+    assert [f.shape for f in fast] == [(2, 9, 64)] * 2
+    assert m.parts.head(fast[0]).shape == (2, 9, 101)
+    assert len(m.adapters) == 4  # one per fast-stream layer, none past the last gate
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zero_adapters_equal_plain_base_layers(arch):
+    lm = tiny_model(arch)
+    m = new_m2r2(lm, gates=[2, 4])
+    ids = _ids()
+    states, final, kv = m.slow_pass(ids)
+    # whole sequences (training path): equal up to float rounding of a longer softmax
+    for fast, gate in zip(m.fast_states(states, kv), m.config.gates):
+        np.testing.assert_allclose(np.array(fast), np.array(states[gate]), atol=2e-5, rtol=1e-5)
+    # the base model's own logits come out of the slow pass unchanged
+    np.testing.assert_allclose(np.array(m.parts.head(final)), np.array(lm.model(ids)), atol=1e-5)
+    # decode time: one new token over a cached prefix, exactly the slow layers' result
+    cache = make_prompt_cache(lm.model)
+    lm.model(ids[:, :-1], cache=cache)
+    h = m.parts.embed(ids[:, -1:])
+    fast = m.fast_exit_state(h, 0, cache)
+    slow = m.parts.run_layers(h, 0, 2, None, cache)  # writes the token's K/V, as the base would
+    assert mx.array_equal(fast, slow).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmoe"])
+def test_training_path_equals_decode_path(arch):
+    """Teacher-forced whole-sequence fast states match token-by-token decode over the shared cache."""
+    lm = tiny_model(arch)
+    m = new_m2r2(lm, gates=[2, 5])
+    _randomize(m)
+    ids = _ids(T=8, B=1)
+    states, _, kv = m.slow_pass(ids)
+    fast = m.fast_states(states, kv)
+    for t in (0, 3, 7):
+        cache = make_prompt_cache(lm.model)
+        if t:
+            lm.model(ids[:, :t], cache=cache)
+        for j, (start, _stop) in enumerate(m.config.intervals()):
+            h_start = states[start][:, t : t + 1]
+            got = m.fast_exit_state(h_start, j, cache)
+            np.testing.assert_allclose(np.array(got[:, 0]), np.array(fast[j][:, t]), atol=1e-4, rtol=1e-4)
+
+
+def test_fast_stream_owns_no_kv_cache():
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[3])
+    _randomize(m)
+    ids = _ids(T=6, B=1)
+    cache = make_prompt_cache(lm.model)
+    lm.model(ids, cache=cache)
+    before = [(c.offset, np.array(c.keys[..., : c.offset, :]), c.keys.shape) for c in cache]
+    m.fast_exit_state(m.parts.embed(ids[:, -1:]), 0, cache)
+    after = [(c.offset, np.array(c.keys[..., : c.offset, :]), c.keys.shape) for c in cache]
+    for (o1, k1, s1), (o2, k2, s2) in zip(before, after):
+        assert o1 == o2 and s1 == s2 and np.array_equal(k1, k2)
+    # the only parameters are the adapters
+    assert all(name.startswith("adapters.") for name, _ in tree_flatten(m.parameters()))
+
+
+def test_save_load_roundtrip_and_refusals(tmp_path):
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4], rank=8)
+    _randomize(m)
+    out = save_adapters(m, tmp_path / "ad")
+    assert {p.name for p in out.iterdir()} == {"adapters.safetensors", "m2r2_config.json"}
+    again = load_adapters(lm, out)
+    assert again.config == m.config
+    for (n1, p1), (n2, p2) in zip(tree_flatten(m.parameters()), tree_flatten(again.parameters())):
+        assert n1 == n2 and mx.array_equal(p1, p2).item()
+    with pytest.raises(M2R2Error, match="already exists"):
+        save_adapters(m, out)
+    # adapters made for another base are refused
+    with pytest.raises(M2R2Error, match="were made for base"):
+        load_adapters(tiny_model("qwen2"), out)
+    with pytest.raises(M2R2Error, match="were made for base"):
+        load_adapters(tiny_model("llama", hidden_size=32, num_attention_heads=2), out)
+    # a truncated weight file is named
+    data = (out / "adapters.safetensors").read_bytes()
+    (out / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(M2R2Error, match="truncated"):
+        load_adapters(lm, out)
+
+
+def test_bad_gates_are_refused():
+    lm = tiny_model("llama")
+    for gates in ([0, 3], [4, 2], [6], []):
+        with pytest.raises(M2R2Error, match="gates"):
+            new_m2r2(lm, gates=gates)

@@ -1,0 +1,31 @@
+"""Tiny randomly initialised mlx-lm decoders of several architectures, built from a config."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import mlx.core as mx
+
+from m2r2_mlx.registry import LoadedModel
+
+COMMON = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=101, rope_theta=10000.0,
+              max_position_embeddings=256)
+
+CONFIGS = {
+    "llama": dict(COMMON, model_type="llama", tie_word_embeddings=True),
+    "phi3": dict(COMMON, model_type="phi3", tie_word_embeddings=False),
+    "qwen2": dict(COMMON, model_type="qwen2", tie_word_embeddings=False),
+    "olmoe": dict(COMMON, model_type="olmoe", num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+    "mixtral": dict(COMMON, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> LoadedModel:
+    config = dict(CONFIGS[arch], **overrides)
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return LoadedModel(f"tiny-{arch}", Path("."), model, None, config)
