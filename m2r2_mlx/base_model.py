@@ -50,6 +50,13 @@ class BaseParts:
         h = self.inner.norm(h)
         return self.inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
 
+    def head_rows(self, h: mx.array, rows: mx.array) -> mx.array:
+        """Logits for a subset of the vocabulary only (``rows``): the LM head's cost shrinks with it."""
+        weight = self.inner.embed_tokens.weight if self.tied else self.model.lm_head.weight
+        if weight.dtype == mx.uint32:  # a quantized head: no cheap row gather, use the full one
+            return self.head(h)[..., rows]
+        return self.inner.norm(h) @ weight[rows].T
+
     def mask(self, h: mx.array, cache) -> mx.array | str | None:
         return create_attention_mask(h, cache)
 

@@ -186,8 +186,17 @@ def build_tokenizer(reader):
 
 
 def source_fingerprint(path: Path) -> dict:
-    st = path.stat()
-    return {"source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "importer_version": IMPORTER_VERSION}
+    """Identifies the GGUF by content (size + hash of its head and tail), not by where it lies:
+    the same package installed in two environments shares one import."""
+    import hashlib
+
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(4 << 20))
+        f.seek(max(size - (4 << 20), 0))
+        h.update(f.read())
+    return {"size": size, "sha256_head_tail": h.hexdigest(), "importer_version": IMPORTER_VERSION}
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> Path:

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--top-k", type=int, default=16, help="distil over the union of the teacher's top-k tokens (default 16)")
     p.add_argument("--align", type=float, default=1.0, help="weight of the cosine alignment term")
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows for the final evaluation")
     p.add_argument("--checkpoint-every", type=int, default=50)
@@ -85,6 +86,52 @@ def load_rows(args, lm, out: Path) -> np.ndarray:
     rows = rows[np.random.default_rng(args.seed).permutation(len(rows))]
     np.save(cache, rows)
     return rows
+
+
+class Trainer:
+    """One optimisation step at a time: frozen slow pass, then gradients through the fast stream only."""
+
+    def __init__(self, m2r2, lr: float, steps: int, temperature: float = 1.0, align: float = 1.0, warmup: int = 20,
+                 top_k: int = 16):
+        self.m2r2, self.temperature, self.align, self.top_k = m2r2, temperature, align, top_k
+        warmup = min(warmup, max(steps // 10, 1))
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, max(steps - warmup, 1), lr * 0.05)], [warmup]
+        )
+        self.opt = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+        self.value_and_grad = nn.value_and_grad(m2r2, self.loss)
+
+    def loss(self, model, states, kv, final, rows, teacher):
+        total, kls = 0.0, []
+        for fast in model.fast_states(states, kv):
+            loss, kl = gate_loss(model.parts, fast, final, rows, teacher, self.temperature, self.align)
+            total = total + loss
+            kls.append(kl)
+        return total, mx.stack(kls)
+
+    def frozen_pass(self, ids: mx.array):
+        """The slow stream and the teacher distribution: computed once per batch, no gradient."""
+        states, final, kv = self.m2r2.slow_pass(ids)
+        states = {k: mx.stop_gradient(v) for k, v in states.items()}
+        kv = [(mx.stop_gradient(k), mx.stop_gradient(v)) for k, v in kv]
+        final = mx.stop_gradient(final)
+        rows, teacher = teacher_targets(self.m2r2.parts, final, self.temperature, self.top_k)
+        mx.eval(states, kv, final, teacher)
+        return states, kv, final, rows, teacher
+
+    def step(self, ids: mx.array) -> tuple[float, list[float]]:
+        (loss, kls), grads = self.value_and_grad(self.m2r2, *self.frozen_pass(ids))
+        self.opt.update(self.m2r2, grads)
+        mx.eval(self.m2r2.parameters(), self.opt.state, loss, kls)
+        return loss.item(), kls.tolist()
+
+    def eval_loss(self, ids: mx.array) -> float:
+        loss, _ = self.loss(self.m2r2, *self.frozen_pass(ids))
+        return loss.item()
+
+    def restore(self, path: Path) -> None:
+        self.opt.init(self.m2r2.trainable_parameters())
+        self.opt.state = tree_unflatten(list(mx.load(str(path)).items()))
 
 
 def save_checkpoint(m2r2, opt, step: int, out: Path) -> None:
@@ -127,44 +174,21 @@ def train(args) -> Path:
     if len(train_rows) < args.batch_size:
         raise M2R2Error(f"{len(train_rows)} training rows of {args.seq_len} tokens is fewer than one batch; add data")
 
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(1e-6, args.lr, 20), optim.cosine_decay(args.lr, max(args.steps - 20, 1), args.lr * 0.05)], [20]
-    )
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    trainer = Trainer(m2r2, lr=args.lr, steps=args.steps, temperature=args.temperature, align=args.align, top_k=args.top_k)
     if start and (ck / "optimizer.safetensors").is_file():
-        opt.init(m2r2.trainable_parameters())
-        opt.state = tree_unflatten(list(mx.load(str(ck / "optimizer.safetensors")).items()))
+        trainer.restore(ck / "optimizer.safetensors")
 
-    parts = m2r2.parts
-
-    def loss_fn(model, states, kv, final, teacher):
-        total, kls = 0.0, []
-        for fast in model.fast_states(states, kv):
-            loss, kl = gate_loss(parts, fast, final, teacher, args.temperature, args.align)
-            total = total + loss
-            kls.append(kl)
-        return total, mx.stack(kls)
-
-    value_and_grad = nn.value_and_grad(m2r2, loss_fn)
     rng = np.random.default_rng(args.seed + start)
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training adapters", unit="step")
     tokens, t0 = 0, time.perf_counter()
     for step in bar:
         ids = mx.array(train_rows[rng.integers(0, len(train_rows), args.batch_size)])
-        states, final, kv = m2r2.slow_pass(ids)  # frozen: computed once, outside the gradient
-        states = {k: mx.stop_gradient(v) for k, v in states.items()}
-        kv = [(mx.stop_gradient(k), mx.stop_gradient(v)) for k, v in kv]
-        final = mx.stop_gradient(final)
-        teacher = teacher_targets(parts, final, args.temperature)
-        mx.eval(states, kv, final, teacher)
-        (loss, kls), grads = value_and_grad(m2r2, states, kv, final, teacher)
-        opt.update(m2r2, grads)
-        mx.eval(m2r2.parameters(), opt.state, loss, kls)
+        loss, kls = trainer.step(ids)
         tokens += ids.size
-        bar.set_postfix(loss=f"{loss.item():.3f}", kl="/".join(f"{k:.2f}" for k in kls.tolist()),
+        bar.set_postfix(loss=f"{loss:.3f}", kl="/".join(f"{k:.2f}" for k in kls),
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-            save_checkpoint(m2r2, opt, step + 1, out)
+            save_checkpoint(m2r2, trainer.opt, step + 1, out)
     bar.close()
 
     print("held-out evaluation…", file=sys.stderr)

@@ -120,3 +120,21 @@ def test_bad_gates_are_refused():
     for gates in ([0, 3], [4, 2], [6], []):
         with pytest.raises(M2R2Error, match="gates"):
             new_m2r2(lm, gates=gates)
+
+
+def test_short_training_lowers_the_loss():
+    from m2r2_mlx.train import Trainer
+
+    lm = tiny_model("llama", seed=4)
+    m = new_m2r2(lm, gates=[2, 4], rank=16)
+    trainer = Trainer(m, lr=3e-3, steps=40, temperature=1.0, align=1.0)
+    ids = _ids(T=16, B=4, seed=5)
+    held_out = _ids(T=16, B=4, seed=6)
+    before = trainer.eval_loss(ids), trainer.eval_loss(held_out)
+    for _ in range(40):
+        trainer.step(ids)
+    after = trainer.eval_loss(ids), trainer.eval_loss(held_out)
+    assert after[0] < 0.5 * before[0]
+    assert after[1] < before[1]
+    # the base model is untouched
+    assert all(name.startswith("adapters.") for name, _ in tree_flatten(m.trainable_parameters()))
