@@ -106,7 +106,7 @@ def main() -> int:
             cmd += ["--model", args.model]
         env = dict(os.environ, M2R2_BLAS="reference")
         ref = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-        print(f"\n| BLAS | m2r2 plain tokens/s | speedup |\n|---|---|---|")
+        print("\n| BLAS | m2r2 plain tokens/s | speedup |\n|---|---|---|")
         print(f"| reference (wheel) | {ref['ours_tps']:.1f} | 1.00x |")
         print(f"| {blas_info().name} | {res['ours_tps']:.1f} | {res['ours_tps'] / ref['ours_tps']:.2f}x |")
     return 0

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .atomic import atomic_folder
 from .base_model import BaseParts, config_hash
 from .config import ADAPTERS_FILE, M2R2Config, even_gates
 from .errors import M2R2Error
@@ -35,17 +33,9 @@ def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False) 
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_folder(folder) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

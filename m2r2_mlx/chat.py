@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from .atomic import atomic_write_text
 from .errors import M2R2Error
 from .generate import PromptCache, TokenEvent, check_context, generate
 from .registry import LoadedModel
@@ -79,12 +78,7 @@ class ChatSession:
         if path.exists() and not overwrite:
             raise M2R2Error(f"{path} already exists; choose another name or overwrite it explicitly")
         data = {"model": self.lm.name, "messages": self.messages}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False)
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
 
     def load(self, path: str | Path) -> None:
         path = Path(path).expanduser()

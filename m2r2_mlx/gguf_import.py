@@ -16,13 +16,11 @@ interrupted import never leaves a half-written model behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_folder
 from .errors import M2R2Error
 
 IMPORTER_VERSION = 1
@@ -221,17 +219,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False)
     tokenizer = build_tokenizer(reader)
     weights = gguf_weights_f32(reader, config)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "import_info.json").write_text(json.dumps(fingerprint, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .atomic import atomic_folder
 from .adapters import load_adapters, new_m2r2, save_adapters
 from .data import pack_rows, read_prompts, read_text_files, self_distill
 from .errors import M2R2Error, run_cli
@@ -59,13 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
     return p
-
-
-def _atomic_json(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
 
 
 def load_rows(args, lm, out: Path) -> np.ndarray:
@@ -135,14 +127,10 @@ class Trainer:
 
 
 def save_checkpoint(m2r2, opt, step: int, out: Path) -> None:
-    ck = out / CHECKPOINT
-    tmp = out / f".{CHECKPOINT}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_adapters(m2r2, tmp / "adapters")
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-    _atomic_json(tmp / "state.json", {"step": step})
-    shutil.rmtree(ck, ignore_errors=True)
-    os.replace(tmp, ck)
+    with atomic_folder(out / CHECKPOINT) as tmp:
+        save_adapters(m2r2, tmp / "adapters")
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+        (tmp / "state.json").write_text(json.dumps({"step": step}))
 
 
 def train(args) -> Path:
@@ -159,6 +147,9 @@ def train(args) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
 
+    from .blas import blas_info
+
+    print(blas_info().describe(), file=sys.stderr)
     lm = load_model(args.model)
     lm.model.freeze()
     gates = [int(g) for g in args.gates.split(",")] if args.gates else None

