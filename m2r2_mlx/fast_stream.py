@@ -110,6 +110,19 @@ class M2R2Model(nn.Module):
         mask = self.parts.mask(h_start, views[start])
         return self.fast_layers(h_start, start, stop, mask, views)
 
+    def draft_logits(self, token: mx.array, gate_index: int, cache_layers) -> mx.array:
+        """Exit logits at a gate for one new token, for drafting.
+
+        Layers below the interval run as the slow stream (their K/V are the real ones);
+        the interval's layers run as the fast stream and write provisional K/V for the
+        drafted position, which verification trims and recomputes.
+        """
+        start, stop = self.config.intervals()[gate_index]
+        h = self.parts.embed(token.reshape(1, 1))
+        h = self.parts.run_layers(h, 0, start, None, cache_layers)
+        h = self.fast_layers(h, start, stop, None, cache_layers)
+        return self.parts.head(h)[0, -1]
+
     # ---- training time -----------------------------------------------------------------
     def slow_pass(self, ids: mx.array):
         """Frozen base over whole sequences: slow states at g_0 and every gate, final state, K/V."""

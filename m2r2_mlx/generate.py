@@ -124,6 +124,70 @@ def check_context(prompt_len: int, context_length: int) -> None:
         )
 
 
+class EventStream:
+    """Turns decoded token ids into TokenEvents: text pieces, timings, finish reasons.
+
+    Shared by every decoding strategy so that their events and statistics agree.
+    """
+
+    def __init__(self, tokenizer, num_layers: int, prompt_len: int, prefill_len: int, max_tokens: int, tic: float):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.num_layers, self.prompt_len, self.prefill_len = num_layers, prompt_len, prefill_len
+        self.max_tokens, self.tic = max_tokens, tic
+        self.n = 0
+        self.prompt_time = self.first = self.last = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.n >= self.max_tokens
+
+    def event(self, token: int, exit_layer: int | None = None, drafted: bool = False) -> TokenEvent:
+        now = time.perf_counter()
+        if self.n == 0:
+            self.prompt_time, self.first, self.last = now - self.tic, now, now
+        eos = token in self.eos_ids
+        if not eos:
+            self.detok.add_token(token)
+        last = eos or self.n + 1 == self.max_tokens
+        if last:
+            self.detok.finalize()
+        ev = TokenEvent(
+            token=token,
+            text=self.detok.last_segment,
+            index=self.n,
+            exit_layer=self.num_layers if exit_layer is None else exit_layer,
+            num_layers=self.num_layers,
+            drafted=drafted,
+            prompt_tokens=self.prompt_len,
+            prefill_tokens=self.prefill_len,
+            prompt_time_s=self.prompt_time,
+            token_time_s=now - self.last,
+            elapsed_s=now - self.first,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            finish_reason="stop" if eos else ("length" if last else None),
+            eos=eos,
+        )
+        self.n += 1
+        self.last = now
+        return ev
+
+
+def start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length):
+    """Shared set-up: context check, cache reuse and prefill. Returns (cache, logits, events)."""
+    cache = cache if cache is not None else PromptCache(model)
+    if context_length:
+        check_context(len(prompt), context_length)
+        max_tokens = min(max_tokens, context_length - len(prompt))
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    feed = cache.tokens_to_prefill(prompt)
+    logits = prefill(cache, feed)
+    events = EventStream(tokenizer, len(model.layers), len(prompt), len(feed), max_tokens, tic)
+    return cache, logits, events
+
+
 def generate(
     model,
     tokenizer,
@@ -137,67 +201,26 @@ def generate(
     context_length: int | None = None,
 ) -> Iterator[TokenEvent]:
     """Decode greedily (temperature 0) or by sampling; one event per token."""
-    cache = cache if cache is not None else PromptCache(model)
-    if context_length:
-        check_context(len(prompt), context_length)
-        max_tokens = min(max_tokens, context_length - len(prompt))
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temp=temperature, top_p=top_p)
-    eos_ids = set(tokenizer.eos_token_ids)
-    num_layers = len(model.layers)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    mx.reset_peak_memory()
 
     def sample(logits: mx.array) -> mx.array:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return sampler(logprobs[None])[0]
 
-    tic = time.perf_counter()
-    feed = cache.tokens_to_prefill(prompt)
-    y = sample(prefill(cache, feed))
+    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length)
+    y = sample(logits)
     mx.async_eval(y)
-
-    prompt_time = first = last = 0.0
-    for n in range(max_tokens):
+    while True:
         next_y = None
-        if n + 1 < max_tokens:
+        if events.n + 1 < events.max_tokens:
             next_y = sample(cache.forward(y[None])[-1])  # builds the next step before reading y
             mx.async_eval(next_y)
-        token = y.item()
-        now = time.perf_counter()
-        if n == 0:
-            prompt_time, first, last = now - tic, now, now
-        eos = token in eos_ids
-        if eos:
-            detok.finalize()
-            text = detok.last_segment
-        else:
-            detok.add_token(token)
-            if n + 1 == max_tokens:
-                detok.finalize()
-            text = detok.last_segment
-        finish = "stop" if eos else ("length" if n + 1 == max_tokens else None)
-        yield TokenEvent(
-            token=token,
-            text=text,
-            index=n,
-            exit_layer=num_layers,
-            num_layers=num_layers,
-            drafted=False,
-            prompt_tokens=len(prompt),
-            prefill_tokens=len(feed),
-            prompt_time_s=prompt_time,
-            token_time_s=now - last,
-            elapsed_s=now - first,
-            peak_memory_gb=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            eos=eos,
-        )
-        last = now
-        if eos:
+        ev = events.event(y.item())
+        yield ev
+        if ev.finish_reason:
             return
-        if n % 256 == 255:
+        if events.n % 256 == 0:
             mx.clear_cache()
         y = next_y

@@ -1,0 +1,82 @@
+"""Self-speculative decoding is lossless: greedy output identical to plain greedy decoding."""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+
+import mlx.core as mx
+
+from m2r2_mlx.adapters import new_m2r2
+from m2r2_mlx.generate import PromptCache, generate
+from m2r2_mlx.speculative import speculative_generate
+
+from .tiny import tiny_model
+
+
+class EosAs:
+    """The real tokenizer, with a chosen end-of-sequence id (to make drafts cross EOS)."""
+
+    def __init__(self, tokenizer, eos: int):
+        self._tok, self.eos_token_ids = tokenizer, {eos}
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module")
+def tiny_m2r2(lm):
+    base = tiny_model("llama", seed=7, vocab_size=lm.config["vocab_size"], num_hidden_layers=8)
+    m = new_m2r2(base, gates=[2, 4, 6])
+    mx.random.seed(8)
+    m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.02, m.parameters()))
+    mx.eval(m.parameters())
+    return m
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(20, 5000, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("gate_index", [0, 1, 2])
+@pytest.mark.parametrize("max_draft", [1, 3, 7])
+def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
+    model, tok = tiny_m2r2.base, lm.tokenizer
+    for prompt in _prompts(6, seed=gate_index * 10 + max_draft):
+        plain = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
+        stats = {}
+        spec = list(speculative_generate(tiny_m2r2, tok, prompt, max_tokens=30, gate_index=gate_index,
+                                         max_draft=max_draft, stats=stats))
+        assert [e.token for e in spec] == plain
+        assert sum(stats["accepted"]) + 1 == len(spec)  # every token but the prefill's came from a round
+        assert all(1 <= a <= max_draft + 1 for a in stats["accepted"])
+        assert all(e.exit_layer == tiny_m2r2.config.gates[gate_index] for e in spec if e.drafted)
+
+
+def test_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
+    model = tiny_m2r2.base
+    checked = 0
+    for prompt in _prompts(12, seed=42):
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=30)]
+        eos = plain[len(plain) // 2]  # a token the model does emit mid-answer becomes the end
+        tok = EosAs(lm.tokenizer, eos)
+        want = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
+        got = list(speculative_generate(tiny_m2r2, tok, prompt, max_tokens=30, gate_index=2, max_draft=7))
+        assert [e.token for e in got] == want
+        assert got[-1].token == eos and got[-1].finish_reason == "stop"
+        checked += 1
+    assert checked == 12
+
+
+def test_cache_after_speculation_matches_plain(lm, tiny_m2r2):
+    model = tiny_m2r2.base
+    prompt = _prompts(1, seed=5)[0]
+    c1, c2 = PromptCache(model), PromptCache(model)
+    list(generate(model, lm.tokenizer, prompt, cache=c1, max_tokens=25))
+    list(speculative_generate(tiny_m2r2, lm.tokenizer, prompt, cache=c2, max_tokens=25, gate_index=1, max_draft=5))
+    # the plain loop feeds its last token ahead of time; compare the common positions
+    n = min(len(c1), len(c2))
+    assert c1.tokens[:n] == c2.tokens[:n] and n >= len(prompt) + 23
+    for a, b in zip(c1.layers, c2.layers):
+        assert b.offset == len(c2)
+        np.testing.assert_allclose(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), atol=1e-4)
