@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -15,8 +16,9 @@ from .registry import LoadedModel
 class ChatSession:
     """Chat history + prompt cache: each turn prefills only what the cache lacks."""
 
-    def __init__(self, lm: LoadedModel, system_prompt: str | None = None):
+    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, decoder=None):
         self.lm = lm
+        self.decode = decoder or partial(generate, lm.model, lm.tokenizer)
         self.system_prompt = system_prompt
         self.cache = PromptCache(lm.model)
         self.messages: list[dict] = []
@@ -57,10 +59,7 @@ class ChatSession:
     def _answer(self, **options) -> Iterator[TokenEvent]:
         pieces: list[str] = []
         try:
-            for event in generate(
-                self.lm.model, self.lm.tokenizer, self.prompt_tokens(), cache=self.cache,
-                context_length=self.lm.context_length, **options,
-            ):
+            for event in self.decode(self.prompt_tokens(), cache=self.cache, context_length=self.lm.context_length, **options):
                 pieces.append(event.text)
                 yield event
         finally:  # also on cancel (generator closed): the history keeps what was shown

@@ -14,6 +14,7 @@ class AnswerStats:
     tokens: int = 0  # answer tokens, end-of-sequence excluded
     drafted: int = 0
     exit_layers: list[int] = field(default_factory=list)
+    computed_layers: int = 0
     prompt_tokens: int = 0
     prefill_tokens: int = 0
     prompt_time_s: float = 0.0
@@ -32,6 +33,8 @@ class AnswerStats:
         self.tokens += 1
         self.drafted += ev.drafted
         self.exit_layers.append(ev.exit_layer)
+        # a drafted token is still verified by every layer: it saves no layer compute
+        self.computed_layers += ev.num_layers if ev.drafted else ev.exit_layer
 
     @property
     def tokens_per_s(self) -> float:
@@ -39,10 +42,15 @@ class AnswerStats:
         return (self.tokens - 1) / self.elapsed_s if self.tokens > 1 and self.elapsed_s > 0 else 0.0
 
     @property
+    def accepted_per_step(self) -> float:
+        """Tokens per full-model step: 1.00 for plain decoding; drafts accepted add to it."""
+        return self.tokens / max(self.tokens - self.drafted, 1) if self.tokens else 0.0
+
+    @property
     def layers_skipped(self) -> float:
-        if not self.exit_layers or not self.num_layers:
+        if not self.tokens or not self.num_layers:
             return 0.0
-        return 1.0 - sum(self.exit_layers) / (len(self.exit_layers) * self.num_layers)
+        return 1.0 - self.computed_layers / (self.tokens * self.num_layers)
 
     def exit_histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.exit_layers).items()))
@@ -50,7 +58,7 @@ class AnswerStats:
     def summary(self) -> str:
         hist = " ".join(f"L{layer}x{n}" for layer, n in self.exit_histogram().items()) or "-"
         return (
-            f"{self.tokens} tokens, {self.tokens_per_s:.1f} tok/s, prefill {self.prefill_tokens}/{self.prompt_tokens} tokens "
+            f"{self.tokens} tokens, {self.tokens_per_s:.1f} tok/s, {self.accepted_per_step:.2f} tokens/step, prefill {self.prefill_tokens}/{self.prompt_tokens} tokens "
             f"in {self.prompt_time_s:.2f}s, exit depth [{hist}] of {self.num_layers} layers, "
             f"{100 * self.layers_skipped:.0f}% layers skipped, peak {self.peak_memory_gb:.2f} GB"
         )

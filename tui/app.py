@@ -100,21 +100,23 @@ class ChatApp(App):
         self.mlx.stop()
 
     def _job_load(self) -> None:
-        from m2r2_mlx.chat import ChatSession
         from m2r2_mlx.registry import load_model
+
+        from .chat import make_session
 
         try:
             lm = self.lm or load_model(self.args.model)
+            self.session = make_session(self.args, lm)
         except M2R2Error as e:
             self.call_from_thread(self._post, f"error: {e}", "notice")
             return
         self.lm = lm
-        self.session = ChatSession(lm, system_prompt=self.args.system_prompt)
         self.call_from_thread(self._model_ready)
 
     def _model_ready(self) -> None:
         self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.args.mode}"
-        self.query_one("#legend", Static).update(legend([self.lm.num_layers], self.lm.num_layers))
+        depths = getattr(self.session.decode, "exit_layers", [self.lm.num_layers])
+        self.query_one("#legend", Static).update(legend(depths, self.lm.num_layers))
         self._update_stats(AnswerStats())
         self._post(f"ready · {blas_info().describe()} · {HELP}", "notice")
         self._unlock_input()
@@ -134,7 +136,7 @@ class ChatApp(App):
         box.focus()
 
     def _update_stats(self, s: AnswerStats) -> None:
-        accepted = s.tokens / max(s.tokens - s.drafted, 1) if s.tokens else 0.0
+        accepted = s.accepted_per_step
         self.query_one("#stats", Static).update(
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
             f"tokens         {s.tokens:8d}\n"

@@ -14,14 +14,18 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.registry import ALIASES, DEFAULT_MODEL
 
-MODES = ["plain"]
+MODES = ["plain", "speculative"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m2r2-chat", description="Chat with an MLX model; every token is coloured by its exit depth.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: {DEFAULT_MODEL}, embedded)")
-    p.add_argument("--mode", choices=MODES, default="plain", help="decoding mode (default: plain)")
+    p.add_argument("--mode", choices=MODES, default="plain",
+                   help="plain decoding, or lossless self-speculative decoding with M2R2 drafts (default: plain)")
+    p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones for the embedded model)")
+    p.add_argument("--gate", type=int, default=None, help="exit layer that drafts come from (default: the adapters' first gate)")
+    p.add_argument("--draft", type=int, default=6, help="most drafted tokens per verification step (default: 6)")
     p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
@@ -32,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.draft < 1:
+        raise M2R2Error(f"--draft must be at least 1 (got {args.draft})")
     if args.max_tokens < 1:
         raise M2R2Error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     if args.temp < 0:
@@ -44,14 +50,21 @@ def generation_options(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
 
 
+def make_session(args: argparse.Namespace, lm):
+    from m2r2_mlx.chat import ChatSession
+    from m2r2_mlx.decoders import make_decoder
+
+    decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft)
+    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder)
+
+
 def one_shot(args: argparse.Namespace) -> int:
     from m2r2_mlx.blas import blas_info
-    from m2r2_mlx.chat import ChatSession
     from m2r2_mlx.registry import load_model
     from m2r2_mlx.stats import AnswerStats
 
     lm = load_model(args.model)
-    session = ChatSession(lm, system_prompt=args.system_prompt)
+    session = make_session(args, lm)
     stats = AnswerStats()
     for ev in session.send(args.prompt, **generation_options(args)):
         stats.add(ev)
