@@ -1,6 +1,6 @@
 """Top-1 agreement of each gate's exit with the full model: naive early exit vs the M2R2 fast stream.
 
-    python -m bench.gate_agreement --adapters adapters/smollm2 --per-category 3
+    python -m bench.gate_agreement --adapters m2r2_mlx/trained/smollm2 --per-category 3
 
 Two evaluation sets, neither trained on:
 - held-out text: the rows the trainer held out (figures stored in m2r2_config.json);
@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from m2r2_mlx.adapters import load_adapters
+from m2r2_mlx.decoders import packaged_adapters
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.registry import load_model
 
@@ -88,7 +89,7 @@ def table(results: dict) -> str:
 def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gate_agreement", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--adapters", required=True)
+    ap.add_argument("--adapters", default=None, help="adapters folder (default: the packaged ones for the model)")
     ap.add_argument("--questions", type=Path, default=SPECBENCH)
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=96)
@@ -98,7 +99,10 @@ def _main() -> int:
     from m2r2_mlx.data import self_distill
 
     lm = load_model(args.model)
-    m2r2 = load_adapters(lm, args.adapters)
+    folder = args.adapters or packaged_adapters(lm.name)
+    if folder is None:
+        raise M2R2Error("no adapters for this model: pass --adapters DIR")
+    m2r2 = load_adapters(lm, folder)
     qs = specbench_questions(args.questions, args.per_category)
     prompts = [q["turns"][0] for q in qs]
     seqs = self_distill(lm, prompts, args.answer_tokens)
@@ -113,7 +117,7 @@ def _main() -> int:
     md = table(results)
     (args.out / "gate_agreement.md").write_text(
         "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
-        f"(`python -m bench.gate_agreement --adapters {args.adapters} --per-category {args.per_category}`).\n\n"
+        f"(`python -m bench.gate_agreement --adapters {folder} --per-category {args.per_category}`).\n\n"
         + md + "\n![agreement per gate](gate_agreement.png)\n"
     )
     print(md)

@@ -1,6 +1,6 @@
 """m2r2-train: train M2R2 accelerator adapters on a frozen base model.
 
-    m2r2-train --model smollm2 --text corpus.txt --prompts prompts.jsonl -o adapters/smollm2
+    m2r2-train --model smollm2 --text corpus.txt --prompts prompts.jsonl -o m2r2_mlx/trained/smollm2
 
 Recipe (docs/training.md): the slow stream runs once per batch outside the
 gradient (it is frozen); only the fast stream's layers are differentiated, and

@@ -1,4 +1,4 @@
-"""The committed adapters for the embedded model (adapters/smollm2) load and beat naive early exit."""
+"""The committed adapters for the embedded model (m2r2_mlx/trained/smollm2) load and beat naive early exit."""
 
 from pathlib import Path
 
@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from m2r2_mlx.adapters import load_adapters
 from m2r2_mlx.evaluate import gate_agreement
 
-ADAPTERS = Path(__file__).resolve().parents[1] / "adapters" / "smollm2"
+ADAPTERS = Path(__file__).resolve().parents[1] / "m2r2_mlx" / "trained" / "smollm2"
 TEXT = (
     "The museum opened a new exhibition about the history of flight. Visitors can see early gliders, "
     "a replica of the first powered aircraft, and the engines that carried passengers across the ocean. "
@@ -18,7 +18,7 @@ TEXT = (
 )
 
 
-@pytest.mark.skipif(not ADAPTERS.is_dir(), reason="adapters/smollm2 not trained yet")
+@pytest.mark.skipif(not ADAPTERS.is_dir(), reason="m2r2_mlx/trained/smollm2 not trained yet")
 def test_committed_adapters_load_and_beat_naive_exit(lm):
     m2r2 = load_adapters(lm, ADAPTERS)
     assert m2r2.config.num_layers == 30 and m2r2.config.gates == [6, 12, 18, 24]
