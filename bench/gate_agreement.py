@@ -68,7 +68,7 @@ def plot(results: dict, out: Path) -> None:
         ax.bar(x - 0.2, np.array(r["naive"]) * 100, 0.4, label="naive early exit")
         ax.bar(x + 0.2, np.array(r["m2r2"]) * 100, 0.4, label="M2R2 fast stream")
         ax.set_xticks(x, [f"L{g}" for g in r["gates"]])
-        ax.set_title(f"{name} ({r['tokens']} tokens)")
+        ax.set_title(f"{name}\n{r['tokens']} tokens", fontsize=10)
         ax.set_xlabel("exit gate")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("top-1 agreement with full model (%)")

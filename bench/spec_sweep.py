@@ -45,6 +45,7 @@ def _main() -> int:
     ap.add_argument("--gates", default="6,12")
     ap.add_argument("--drafts", default="3,6")
     ap.add_argument("--questions", type=int, default=1, help="MT-Bench questions per category")
+    ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=Path("docs/speculative_sweep.md"))
     args = ap.parse_args()
@@ -54,7 +55,7 @@ def _main() -> int:
     if folder is None:
         raise M2R2Error("no adapters: pass --adapters DIR")
     m2r2 = load_adapters(lm, folder)
-    qs = [q for q in specbench_questions(SPECBENCH, args.questions) if q["category"] in MT_BENCH]
+    qs = [q for q in specbench_questions(SPECBENCH, args.questions) if q["category"] in MT_BENCH][: args.limit]
     prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True) for q in qs]
     settings = [(int(g), int(d)) for g in args.gates.split(",") for d in args.drafts.split(",")]
     for g, _ in settings:
@@ -76,7 +77,7 @@ def _main() -> int:
         print(f"question done ({len(plain_rates)}/{len(prompts)})", file=sys.stderr)
     plain = statistics.median(plain_rates)
     lines = ["# Self-speculative sweep\n", f"`python -m bench.spec_sweep --gates {args.gates} --drafts {args.drafts} "
-             f"--questions {args.questions} --max-tokens {args.max_tokens}`; {len(prompts)} MT-Bench first turns, greedy, "
+             f"--questions {args.questions} --limit {args.limit} --max-tokens {args.max_tokens}`; {len(prompts)} MT-Bench first turns, greedy, "
              f"float32, {blas_info().name} BLAS. Medians over prompts; speedup against plain decoding in the same run.\n",
              "| method | draft gate | max draft | tokens/s | speedup | mean accepted tokens/step | identical to plain |",
              "|---|---|---|---|---|---|---|", f"| plain | - | - | {plain:.1f} | 1.00x | 1.00 | - |"]

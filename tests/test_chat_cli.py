@@ -22,3 +22,24 @@ def test_one_shot_answer_and_summary():
 def test_no_terminal_without_prompt_is_one_line():
     r = subprocess.run([EXE], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
     assert r.returncode == 2 and "--prompt" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_speculative_mode_answers_like_plain():
+    q = ["--prompt", "Name three primary colors.", "--max-tokens", "40"]
+    plain = subprocess.run([EXE, *q], capture_output=True, text=True, timeout=600)
+    spec = subprocess.run([EXE, *q, "--mode", "speculative", "--gate", "24", "--draft", "3"], capture_output=True, text=True, timeout=600)
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout  # lossless
+    assert "L24x" in spec.stderr.splitlines()[-1]  # some tokens came from accepted drafts at the gate
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+@pytest.mark.parametrize("extra, message", [
+    (["--gate", "7"], "not one of the adapters' gates"),
+    (["--temp", "0.7"], "greedy for now"),
+    (["--adapters", "/no/such/dir"], "not found"),
+])
+def test_speculative_mode_bad_input(extra, message):
+    r = subprocess.run([EXE, "--prompt", "hi", "--mode", "speculative", *extra], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
