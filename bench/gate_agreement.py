@@ -21,8 +21,7 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import mlx.core as mx
 import numpy as np
 
-from m2r2_mlx.adapters import load_adapters
-from m2r2_mlx.decoders import packaged_adapters
+from m2r2_mlx.decoders import load_m2r2, packaged_adapters
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.registry import load_model
 
@@ -99,10 +98,8 @@ def _main() -> int:
     from m2r2_mlx.data import self_distill
 
     lm = load_model(args.model)
+    m2r2 = load_m2r2(lm, args.adapters, "the gate agreement benchmark")
     folder = args.adapters or packaged_adapters(lm.name)
-    if folder is None:
-        raise M2R2Error("no adapters for this model: pass --adapters DIR")
-    m2r2 = load_adapters(lm, folder)
     qs = specbench_questions(args.questions, args.per_category)
     prompts = [q["turns"][0] for q in qs]
     seqs = self_distill(lm, prompts, args.answer_tokens)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 
-from m2r2_mlx.adapters import load_adapters
 from m2r2_mlx.blas import blas_info
-from m2r2_mlx.decoders import packaged_adapters
+from m2r2_mlx.decoders import load_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.generate import generate
 from m2r2_mlx.registry import load_model
@@ -51,10 +50,7 @@ def _main() -> int:
     args = ap.parse_args()
 
     lm = load_model(args.model)
-    folder = args.adapters or packaged_adapters(lm.name)
-    if folder is None:
-        raise M2R2Error("no adapters: pass --adapters DIR")
-    m2r2 = load_adapters(lm, folder)
+    m2r2 = load_m2r2(lm, args.adapters, "the speculative sweep")
     qs = [q for q in specbench_questions(SPECBENCH, args.questions) if q["category"] in MT_BENCH][: args.limit]
     prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True) for q in qs]
     settings = [(int(g), int(d)) for g in args.gates.split(",") for d in args.drafts.split(",")]

@@ -23,6 +23,16 @@ def packaged_adapters(model_name: str | None) -> Path | None:
     return folder if (folder / "m2r2_config.json").is_file() else None
 
 
+def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
+    """The given adapters, else the packaged ones for the model; one clear line if there are none."""
+    from .adapters import load_adapters
+
+    folder = adapters or packaged_adapters(lm.name)
+    if folder is None:
+        raise M2R2Error(f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR (train them with m2r2-train)")
+    return load_adapters(lm, folder)
+
+
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
                  gate: int | None = None, max_draft: int = 6, threshold: float = 0.0) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
@@ -33,12 +43,7 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         return partial(generate, lm.model, lm.tokenizer)
     if mode not in MODES:
         raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    from .adapters import load_adapters
-
-    folder = adapters or packaged_adapters(lm.name)
-    if folder is None:
-        raise M2R2Error(f"mode {mode!r} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR (train them with m2r2-train)")
-    m2r2 = load_adapters(lm, folder)
+    m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
     gates = m2r2.config.gates
     gate = gates[0] if gate is None else gate
     if gate not in gates:
