@@ -79,7 +79,7 @@ def ensure_fast_blas() -> BlasInfo:
             continue
         _INFO = BlasInfo("openblas", path, "")
         return _INFO
-    hint = "install Debian/Ubuntu's libopenblas0-pthread for ~1.7x faster float32 decoding"
+    hint = "install Debian/Ubuntu's libopenblas0-pthread for ~2x faster float32 decoding"
     _INFO = BlasInfo("reference", None, "; ".join(errors) or hint)
     return _INFO
 
