@@ -18,11 +18,11 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 
-import mlx.core as mx
 import numpy as np
 
 from m2r2_mlx.decoders import load_m2r2, packaged_adapters
 from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.evaluate import answer_agreement
 from m2r2_mlx.registry import load_model
 
 SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"
@@ -36,22 +36,6 @@ def specbench_questions(path: Path, per_category: int) -> list[dict]:
         q = json.loads(line)
         by_cat.setdefault(q["category"], []).append(q)
     return [q for qs in by_cat.values() for q in qs[:per_category]]
-
-
-def answer_agreement(m2r2, sequences: list[tuple[list[int], int]]) -> dict:
-    """Agreement over answer positions only: sequences are (tokens, prompt_length)."""
-    parts, gates = m2r2.parts, m2r2.config.gates
-    naive, fast, total = np.zeros(len(gates)), np.zeros(len(gates)), 0
-    for toks, plen in sequences:
-        ids = mx.array(toks)[None]
-        states, final, kv = m2r2.slow_pass(ids)
-        target = parts.head(final).argmax(-1)[:, plen - 1 : -1]
-        fs = m2r2.fast_states(states, kv)
-        for j, g in enumerate(gates):
-            naive[j] += (parts.head(states[g]).argmax(-1)[:, plen - 1 : -1] == target).sum().item()
-            fast[j] += (parts.head(fs[j]).argmax(-1)[:, plen - 1 : -1] == target).sum().item()
-        total += target.size
-    return {"gates": list(gates), "naive": (naive / total).tolist(), "m2r2": (fast / total).tolist(), "tokens": total}
 
 
 def plot(results: dict, out: Path) -> None:

@@ -41,12 +41,13 @@ class ChatSession:
         if not text.strip():
             raise M2R2Error("the message is empty; type something to send")
         self.messages.append({"role": "user", "content": text})
-        try:
-            check_context(len(self.prompt_tokens()), self.lm.context_length)
+        prompt = self.prompt_tokens()
+        try:  # checked here, not in the lazy generator, so a refused turn leaves no trace
+            check_context(len(prompt), self.lm.context_length)
         except M2R2Error:
             self.messages.pop()
             raise
-        return self._answer(**options)
+        return self._answer(prompt, **options)
 
     def regenerate(self, **options) -> Iterator[TokenEvent]:
         """Drop the last answer and answer the last user turn again."""
@@ -54,12 +55,12 @@ class ChatSession:
             self.messages.pop()
         if not self.messages or self.messages[-1]["role"] != "user":
             raise M2R2Error("there is no user message to regenerate an answer for")
-        return self._answer(**options)
+        return self._answer(self.prompt_tokens(), **options)
 
-    def _answer(self, **options) -> Iterator[TokenEvent]:
+    def _answer(self, prompt: list[int], **options) -> Iterator[TokenEvent]:
         pieces: list[str] = []
         try:
-            for event in self.decode(self.prompt_tokens(), cache=self.cache, context_length=self.lm.context_length, **options):
+            for event in self.decode(prompt, cache=self.cache, context_length=self.lm.context_length, **options):
                 pieces.append(event.text)
                 yield event
         finally:  # also on cancel (generator closed): the history keeps what was shown

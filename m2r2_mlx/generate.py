@@ -37,10 +37,6 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" (end of sequence) or "length" on the last event
     eos: bool = False  # the end-of-sequence token itself (text is "")
 
-    @property
-    def generation_tps(self) -> float:
-        return self.index / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
 
 class PromptCache:
     """The model's KV cache together with the exact token ids it holds.

@@ -137,3 +137,15 @@ def test_short_training_lowers_the_loss():
     assert after[1] < before[1]
     # the base model is untouched
     assert all(name.startswith("adapters.") for name, _ in tree_flatten(m.trainable_parameters()))
+
+
+def test_answer_agreement_scores_only_answer_positions():
+    from m2r2_mlx.evaluate import agreement, answer_agreement
+
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4])
+    _randomize(m)
+    toks = _ids(T=12, B=1)[0].tolist()
+    r = answer_agreement(m, [(toks, 5)])
+    assert r["tokens"] == 12 - 5  # positions 4..10 predict the answer tokens 5..11
+    assert r == agreement(m, [(mx.array(toks)[None], slice(4, 11))])
