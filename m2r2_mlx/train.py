@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows for the final evaluation")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    p.add_argument("--init", metavar="ADAPTERS", help="warm start: begin from this adapters folder (its gates and rank)")
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -157,6 +158,8 @@ def train(args) -> Path:
     if args.resume and ck.is_dir():
         m2r2 = load_adapters(lm, ck / "adapters")
         start = json.loads((ck / "state.json").read_text())["step"]
+    elif args.init:
+        m2r2 = load_adapters(lm, args.init)
     else:
         m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank)
     rows = load_rows(args, lm, out)
