@@ -9,7 +9,13 @@ from typing import Callable, Iterator
 from .errors import M2R2Error
 from .generate import TokenEvent, generate
 
-MODES = ("plain", "speculative")
+MODES = ("plain", "speculative", "layerskip", "lookup")
+MODE_HELP = {
+    "plain": "plain decoding",
+    "speculative": "lossless self-speculative decoding, M2R2 fast-stream drafts",
+    "layerskip": "lossless self-speculative decoding, drafts from the slow state's naive exit (no adapters)",
+    "lookup": "lossless prompt-lookup decoding (drafts copied from the context)",
+}
 PACKAGED_ADAPTERS = Path(__file__).resolve().parent / "trained"
 
 Decoder = Callable[..., Iterator[TokenEvent]]
@@ -23,38 +29,68 @@ def packaged_adapters(model_name: str | None) -> Path | None:
     return folder if (folder / "m2r2_config.json").is_file() else None
 
 
-def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
-    """The given adapters, else the packaged ones for the model; one clear line if there are none."""
-    from .adapters import load_adapters
-
+def adapters_folder(lm, adapters: str | Path | None = None, mode: str = "this mode") -> Path:
+    """The given adapters folder, else the packaged one for the model; one clear line if there is none."""
     folder = adapters or packaged_adapters(lm.name)
     if folder is None:
         raise M2R2Error(f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR (train them with m2r2-train)")
-    return load_adapters(lm, folder)
+    return Path(folder)
+
+
+def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
+    from .adapters import load_adapters
+
+    return load_adapters(lm, adapters_folder(lm, adapters, mode))
+
+
+def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, threshold: float = 0.0,
+                 draft_vocab: int | None = None):
+    from .adapters import new_m2r2
+    from .config import M2R2Config
+    from .drafters import LayerDrafter, PromptLookupDrafter
+
+    if mode == "lookup":
+        return PromptLookupDrafter()
+    if mode == "layerskip":  # no adapters run; an adapters folder only lends its default gate and draft vocabulary
+        folder = Path(adapters) if adapters else packaged_adapters(lm.name)
+        gate = gate or (M2R2Config.load(folder).gates[0] if folder else max(1, lm.num_layers // 5))
+        if not 1 <= gate < lm.num_layers:
+            raise M2R2Error(f"gate {gate} must be a layer count in 1..{lm.num_layers - 1}")
+        m2r2 = new_m2r2(lm, gates=[gate])
+    else:
+        folder = adapters_folder(lm, adapters, f"mode {mode!r}")
+        m2r2 = load_m2r2(lm, folder)
+        gate = m2r2.config.gates[0] if gate is None else gate
+        if gate not in m2r2.config.gates:
+            raise M2R2Error(f"gate {gate} is not one of the adapters' gates {m2r2.config.gates}")
+    vocab = None
+    if draft_vocab:
+        if folder is None:
+            raise M2R2Error("--draft-vocab needs an adapters folder with draft_vocab.json")
+        from .draft_vocab import load_draft_vocab
+
+        vocab = load_draft_vocab(folder, draft_vocab)
+    return LayerDrafter(m2r2, m2r2.config.gates.index(gate), threshold=threshold, vocab=vocab,
+                        adapters=mode == "speculative")
 
 
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
-                 gate: int | None = None, max_draft: int = 6, threshold: float = 0.0) -> Decoder:
+                 gate: int | None = None, max_draft: int = 6, threshold: float = 0.0,
+                 draft_vocab: int | None = None) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
-    ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first).
+    ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first);
+    ``threshold`` stops a draft early when its confidence falls below it; ``draft_vocab`` scores
+    drafts over the model's N most frequent tokens only.
     """
     if mode == "plain":
         return partial(generate, lm.model, lm.tokenizer)
     if mode not in MODES:
         raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
-    gates = m2r2.config.gates
-    gate = gates[0] if gate is None else gate
-    if gate not in gates:
-        raise M2R2Error(f"gate {gate} is not one of the adapters' gates {gates}")
     from .speculative import speculative_generate
 
-    def speculative(prompt, *, temperature: float = 0.0, top_p: float = 1.0, seed=None, **kw):
-        if temperature > 0:
-            raise M2R2Error("speculative mode is greedy for now; use --temp 0, or --mode plain to sample")
-        return speculative_generate(m2r2, lm.tokenizer, prompt, gate_index=gates.index(gate),
-                                    max_draft=max_draft, threshold=threshold, **kw)
-
-    speculative.exit_layers = [gate, lm.num_layers]  # for legends: where tokens can come from
-    return speculative
+    drafter = make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab)
+    decode = partial(speculative_generate, lm.model, lm.tokenizer, drafter=drafter, max_draft=max_draft)
+    decode.exit_layers = sorted({drafter.exit_layer, lm.num_layers})  # for legends: where tokens can come from
+    decode.drafter = drafter
+    return decode

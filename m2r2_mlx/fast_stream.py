@@ -110,18 +110,25 @@ class M2R2Model(nn.Module):
         mask = self.parts.mask(h_start, views[start])
         return self.fast_layers(h_start, start, stop, mask, views)
 
-    def draft_logits(self, token: mx.array, gate_index: int, cache_layers) -> mx.array:
+    def draft_logits(self, token: mx.array, gate_index: int, cache_layers, rows: mx.array | None = None,
+                     adapters: bool = True) -> mx.array:
         """Exit logits at a gate for one new token, for drafting.
 
         Layers below the interval run as the slow stream (their K/V are the real ones);
         the interval's layers run as the fast stream and write provisional K/V for the
-        drafted position, which verification trims and recomputes.
+        drafted position, which verification trims and recomputes. ``rows`` restricts the
+        LM head to a vocabulary subset; ``adapters=False`` gives the naive exit of the slow
+        state at the gate (layer-skip drafting without M2R2).
         """
         start, stop = self.config.intervals()[gate_index]
         h = self.parts.embed(token.reshape(1, 1))
         h = self.parts.run_layers(h, 0, start, None, cache_layers)
-        h = self.fast_layers(h, start, stop, None, cache_layers)
-        return self.parts.head(h)[0, -1]
+        if adapters:
+            h = self.fast_layers(h, start, stop, None, cache_layers)
+        else:
+            h = self.parts.run_layers(h, start, stop, None, cache_layers)
+        h = h[0, -1]
+        return self.parts.head(h) if rows is None else self.parts.head_rows(h, rows)
 
     # ---- training time -----------------------------------------------------------------
     def slow_pass(self, ids: mx.array):

@@ -25,19 +25,23 @@ def test_no_terminal_without_prompt_is_one_line():
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
-def test_speculative_mode_answers_like_plain():
+def test_draft_and_verify_modes_answer_like_plain():
     q = ["--prompt", "Name three primary colors.", "--max-tokens", "40"]
     plain = subprocess.run([EXE, *q], capture_output=True, text=True, timeout=600)
-    spec = subprocess.run([EXE, *q, "--mode", "speculative", "--gate", "24", "--draft", "3"], capture_output=True, text=True, timeout=600)
-    assert plain.returncode == spec.returncode == 0, spec.stderr
-    assert spec.stdout == plain.stdout  # lossless
-    assert "L24x" in spec.stderr.splitlines()[-1]  # some tokens came from accepted drafts at the gate
+    for mode, extra, exit_mark in [("speculative", ["--gate", "24", "--draft", "3"], "L24x"),
+                                   ("layerskip", ["--gate", "24", "--draft", "3"], "L24x"),
+                                   ("lookup", [], "L0x")]:
+        spec = subprocess.run([EXE, *q, "--mode", mode, *extra], capture_output=True, text=True, timeout=600)
+        assert plain.returncode == spec.returncode == 0, spec.stderr
+        assert spec.stdout == plain.stdout, mode  # lossless
+        assert exit_mark in spec.stderr.splitlines()[-1], mode  # some tokens came from accepted drafts
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.parametrize("extra, message", [
     (["--gate", "7"], "not one of the adapters' gates"),
-    (["--temp", "0.7"], "greedy for now"),
+    (["--threshold", "2"], "--threshold must be in [0, 1]"),
+    (["--draft-vocab", "0"], "--draft-vocab must be at least 1"),
     (["--adapters", "/no/such/dir"], "not found"),
 ])
 def test_speculative_mode_bad_input(extra, message):

@@ -8,19 +8,10 @@ import mlx.core as mx
 
 from m2r2_mlx.adapters import new_m2r2
 from m2r2_mlx.generate import PromptCache, generate
+from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.speculative import speculative_generate
 
-from .tiny import tiny_model
-
-
-class EosAs:
-    """The real tokenizer, with a chosen end-of-sequence id (to make drafts cross EOS)."""
-
-    def __init__(self, tokenizer, eos: int):
-        self._tok, self.eos_token_ids = tokenizer, {eos}
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
+from .tiny import EosAs, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +36,7 @@ def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
     for prompt in _prompts(6, seed=gate_index * 10 + max_draft):
         plain = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
         stats = {}
-        spec = list(speculative_generate(tiny_m2r2, tok, prompt, max_tokens=30, gate_index=gate_index,
+        spec = list(speculative_generate(model, tok, prompt, LayerDrafter(tiny_m2r2, gate_index), max_tokens=30,
                                          max_draft=max_draft, stats=stats))
         assert [e.token for e in spec] == plain
         assert sum(stats["accepted"]) + 1 == len(spec)  # every token but the prefill's came from a round
@@ -61,7 +52,7 @@ def test_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
         eos = plain[len(plain) // 2]  # a token the model does emit mid-answer becomes the end
         tok = EosAs(lm.tokenizer, eos)
         want = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
-        got = list(speculative_generate(tiny_m2r2, tok, prompt, max_tokens=30, gate_index=2, max_draft=7))
+        got = list(speculative_generate(model, tok, prompt, LayerDrafter(tiny_m2r2, 2), max_tokens=30, max_draft=7))
         assert [e.token for e in got] == want
         assert got[-1].token == eos and got[-1].finish_reason == "stop"
         checked += 1
@@ -73,10 +64,40 @@ def test_cache_after_speculation_matches_plain(lm, tiny_m2r2):
     prompt = _prompts(1, seed=5)[0]
     c1, c2 = PromptCache(model), PromptCache(model)
     list(generate(model, lm.tokenizer, prompt, cache=c1, max_tokens=25))
-    list(speculative_generate(tiny_m2r2, lm.tokenizer, prompt, cache=c2, max_tokens=25, gate_index=1, max_draft=5))
+    list(speculative_generate(model, lm.tokenizer, prompt, LayerDrafter(tiny_m2r2, 1), cache=c2, max_tokens=25, max_draft=5))
     # the plain loop feeds its last token ahead of time; compare the common positions
     n = min(len(c1), len(c2))
     assert c1.tokens[:n] == c2.tokens[:n] and n >= len(prompt) + 23
     for a, b in zip(c1.layers, c2.layers):
         assert b.offset == len(c2)
         np.testing.assert_allclose(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["layerskip", "trimmed-vocab", "threshold", "lookup"])
+def test_every_drafter_is_lossless(lm, tiny_m2r2, kind):
+    model, tok = tiny_m2r2.base, lm.tokenizer
+    prompts = [p + p for p in _prompts(5, seed=3)]  # repeats give prompt lookup something to find
+    plains = [[e.token for e in generate(model, tok, p, max_tokens=30)] for p in prompts]
+    emitted = sorted({t for p in plains for t in p})  # the trimmed head covers the tokens the model emits
+    drafter = {
+        "layerskip": LayerDrafter(tiny_m2r2, 1, adapters=False),
+        "trimmed-vocab": LayerDrafter(tiny_m2r2, 0, vocab=emitted[: max(1, 3 * len(emitted) // 4)]),
+        "threshold": LayerDrafter(tiny_m2r2, 1, threshold=0.5),
+        "lookup": PromptLookupDrafter(),
+    }[kind]
+    drafted = 0
+    for prompt, plain in zip(prompts, plains):
+        spec = list(speculative_generate(model, tok, prompt, drafter, max_tokens=30, max_draft=4))
+        assert [e.token for e in spec] == plain
+        drafted += sum(e.drafted for e in spec)
+    if kind != "threshold":
+        assert drafted > 0  # the drafter did propose tokens that were accepted
+
+
+def test_prompt_lookup_copies_the_latest_match():
+    class Cache:
+        tokens = [5, 6, 7, 1, 2, 9, 5, 6, 8, 4, 5]
+
+    drafts, q = PromptLookupDrafter(max_ngram=2).draft(Cache, 6, 3, None, eos_ids={4})
+    assert drafts == [8, 4] and q is None  # "5 6" last seen before "8 4"; stops at the end token
+    assert PromptLookupDrafter().draft(Cache, 3, 3, None, eos_ids=set())[0] == []  # 3 never seen

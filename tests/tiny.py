@@ -29,3 +29,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> LoadedModel:
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return LoadedModel(f"tiny-{arch}", Path("."), model, None, config)
+
+
+class EosAs:
+    """A real tokenizer with a chosen end-of-sequence id (to make drafts cross EOS, or never end)."""
+
+    def __init__(self, tokenizer, eos: int):
+        self._tok, self.eos_token_ids = tokenizer, {eos}
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)

@@ -11,10 +11,10 @@ import argparse
 import sys
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
+from m2r2_mlx.decoders import MODE_HELP, MODES
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.registry import ALIASES, DEFAULT_MODEL
 
-MODES = ["plain", "speculative"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,10 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: {DEFAULT_MODEL}, embedded)")
     p.add_argument("--mode", choices=MODES, default="plain",
-                   help="plain decoding, or lossless self-speculative decoding with M2R2 drafts (default: plain)")
+                   help="; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)")
     p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones for the embedded model)")
     p.add_argument("--gate", type=int, default=None, help="exit layer that drafts come from (default: the adapters' first gate)")
     p.add_argument("--draft", type=int, default=6, help="most drafted tokens per verification step (default: 6)")
+    p.add_argument("--threshold", type=float, default=0.0,
+                   help="stop drafting when a draft's probability falls below this (default: 0 = never)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="score drafts over the model's N most frequent tokens only (needs draft_vocab.json)")
     p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
@@ -42,6 +46,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise M2R2Error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     if args.temp < 0:
         raise M2R2Error(f"--temp must be 0 (greedy) or positive (got {args.temp})")
+    if not 0 <= args.threshold <= 1:
+        raise M2R2Error(f"--threshold must be in [0, 1] (got {args.threshold})")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise M2R2Error(f"--draft-vocab must be at least 1 (got {args.draft_vocab})")
     if not 0 < args.top_p <= 1:
         raise M2R2Error(f"--top-p must be in (0, 1] (got {args.top_p})")
 
@@ -54,7 +62,8 @@ def make_session(args: argparse.Namespace, lm):
     from m2r2_mlx.chat import ChatSession
     from m2r2_mlx.decoders import make_decoder
 
-    decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft)
+    decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft,
+                           threshold=args.threshold, draft_vocab=args.draft_vocab)
     return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder)
 
 

@@ -1,0 +1,74 @@
+"""Where speculative drafts come from. Each drafter proposes up to ``limit`` tokens after
+``token`` (the last sampled token, not yet in the cache) and leaves the cache as it found it.
+
+- ``LayerDrafter``: exit at a gate of the base. With adapters it is the M2R2 fast stream;
+  without, the slow state's own exit (naive layer-skip self-speculation, LayerSkip untrained).
+  Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting).
+- ``PromptLookupDrafter``: copy the continuation of the latest earlier match of the last
+  n-gram in the context (prompt-lookup decoding; no model compute at all).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .sampling import Sampling, sampling_probs
+
+
+class LayerDrafter:
+    def __init__(self, m2r2, gate_index: int = 0, threshold: float = 0.0, vocab: Sequence[int] | None = None,
+                 adapters: bool = True):
+        self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
+        self.exit_layer = m2r2.config.intervals()[gate_index][1]
+        self.rows = None if vocab is None else mx.array(list(vocab))
+        self.vocab_size = int(m2r2.parts.model.args.vocab_size)
+        self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
+
+    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
+        drafts, qs = [], []
+        cur = token
+        while len(drafts) < limit:
+            logits = self.m2r2.draft_logits(mx.array(cur), self.gate_index, cache.layers, rows=self.rows,
+                                            adapters=self.adapters)
+            if s.greedy:
+                probs = mx.softmax(logits.astype(mx.float32))
+                i = mx.argmax(probs)
+            else:
+                probs = sampling_probs(logits, s)
+                i = mx.random.categorical(mx.log(probs))
+                qs.append(probs if self.rows is None else mx.zeros((self.vocab_size,)).at[self.rows].add(probs))
+            conf = probs[i]
+            d = self.rows[i] if self.rows is not None else i
+            d, conf = int(d.item()), conf.item()
+            drafts.append(d)
+            cur = d
+            if conf < self.threshold or d in eos_ids:  # Kangaroo-style early stop: unsure drafts waste verify work
+                break
+        for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
+            layer.trim(len(drafts))
+        return drafts, (mx.stack(qs) if qs else None)
+
+
+class PromptLookupDrafter:
+    exit_layer = 0  # drafted tokens used no layer at all
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], None]:
+        ctx = cache.tokens + [token]
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) <= n:
+                continue
+            tail = ctx[-n:]
+            for start in range(len(ctx) - n - 1, -1, -1):  # the latest earlier occurrence wins
+                if ctx[start:start + n] == tail:
+                    cont = ctx[start + n:start + n + limit]
+                    for k, t in enumerate(cont):
+                        if t in eos_ids:
+                            return cont[:k + 1], None
+                    return cont, None
+        return [], None

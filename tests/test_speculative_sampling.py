@@ -1,0 +1,87 @@
+"""Speculative sampling draws from the base model's own distribution (rejection sampling).
+
+A tiny 12-token model makes the exact distribution of the first three answer tokens
+computable (1,728 outcomes). Speculative sampling with M2R2 drafts (q != p) and with
+prompt-lookup drafts must match it within the sampling noise of N draws; a verifier
+that skips the rejection step must not (the test can fail).
+"""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+
+import mlx.core as mx
+
+import m2r2_mlx.speculative as speculative
+from m2r2_mlx.adapters import new_m2r2
+from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.sampling import Sampling, sample_from, sampling_probs
+from m2r2_mlx.speculative import speculative_generate
+
+from .tiny import EosAs, tiny_model
+
+V, N = 12, 2000
+PROMPT = [3, 5, 7, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def setup(lm):
+    base = tiny_model("llama", seed=11, vocab_size=V, num_hidden_layers=2)
+    emb = base.model.model.embed_tokens
+    emb.weight = emb.weight * 1.5  # peakier distributions: more mass where the test can see it
+    m2r2 = new_m2r2(base, gates=[1])
+    mx.random.seed(12)
+    m2r2.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.3, m2r2.parameters()))
+    mx.eval(base.model.parameters(), m2r2.parameters())
+    return base.model, m2r2, EosAs(lm.tokenizer, eos=10**6)
+
+
+def exact_joint(model, s: Sampling) -> np.ndarray:
+    """P(t1, t2, t3) for the answer's first three tokens, by enumeration."""
+    pairs = np.array([(a, b) for a in range(V) for b in range(V)])
+    ids = mx.array(np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1))
+    logits = model(ids)
+    n = len(PROMPT)
+    p1 = np.array(sampling_probs(logits[0, n - 1], s))
+    p2 = np.array(sampling_probs(logits[:, n], s)).reshape(V, V, V)[:, 0, :]  # rows t1 (t2 column unused)
+    p3 = np.array(sampling_probs(logits[:, n + 1], s)).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sampled_joint(model, tok, drafter, s: Sampling) -> np.ndarray:
+    counts = np.zeros((V, V, V))
+    mx.random.seed(2024)
+    for _ in range(N):
+        toks = [e.token for e in speculative_generate(model, tok, PROMPT, drafter, max_tokens=4, max_draft=2,
+                                                      temperature=s.temperature, top_p=s.top_p)]
+        counts[tuple(toks[:3])] += 1
+    return counts / N
+
+
+def tv_bound(p: np.ndarray) -> float:
+    """1.6x the expected total-variation distance of N draws from p (E|X/N - p| ~ sqrt(2p(1-p)/(pi N)))."""
+    return 1.6 * 0.5 * np.sqrt(2 * p * (1 - p) / (np.pi * N)).sum()
+
+
+def accept_every_draft(logits, drafts, q, s):  # the bug the test must catch: no rejection step
+    return len(drafts), sample_from(sampling_probs(logits, s)[len(drafts)])
+
+
+@pytest.mark.parametrize("s", [Sampling(1.0, 1.0), Sampling(0.8, 0.9)], ids=["temp1", "temp0.8-top_p0.9"])
+def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatch):
+    model, m2r2, tok = setup
+    p = exact_joint(model, s)
+    bound = tv_bound(p)
+    calibration = np.random.default_rng(0).multinomial(N, p.ravel()).reshape(p.shape) / N
+    assert 0.5 * np.abs(calibration - p).sum() < bound  # exact draws pass the bound
+
+    for drafter in (LayerDrafter(m2r2, 0), PromptLookupDrafter()):
+        got = sampled_joint(model, tok, drafter, s)
+        tv = 0.5 * np.abs(got - p).sum()
+        print(f"{drafter.name}: TV {tv:.3f}, bound {bound:.3f}")
+        assert tv < bound, f"{drafter.name}: TV {tv:.3f} >= {bound:.3f}"
+
+    monkeypatch.setattr(speculative, "verify", accept_every_draft)
+    broken = sampled_joint(model, tok, LayerDrafter(m2r2, 0), s)
+    print(f"no-rejection control: TV {0.5 * np.abs(broken - p).sum():.3f}")
+    assert 0.5 * np.abs(broken - p).sum() > bound  # the test has the power to catch a wrong verifier
