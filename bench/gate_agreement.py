@@ -12,7 +12,6 @@ Writes docs/gate_agreement.md and docs/gate_agreement.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,22 +20,11 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import numpy as np
 
 from m2r2_mlx.decoders import load_m2r2, packaged_adapters
-from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.errors import run_cli
 from m2r2_mlx.evaluate import answer_agreement
 from m2r2_mlx.registry import load_model
 
-SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"
-
-
-def specbench_questions(path: Path, per_category: int) -> list[dict]:
-    if not path.is_file():
-        raise M2R2Error(f"Spec-Bench questions not found at {path}; pass --questions")
-    by_cat: dict[str, list] = {}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        by_cat.setdefault(q["category"], []).append(q)
-    return [q for qs in by_cat.values() for q in qs[:per_category]]
-
+from .specbench import SPECBENCH, select_questions
 
 def plot(results: dict, out: Path) -> None:
     import matplotlib
@@ -84,7 +72,7 @@ def _main() -> int:
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the gate agreement benchmark")
     folder = args.adapters or packaged_adapters(lm.name)
-    qs = specbench_questions(args.questions, args.per_category)
+    qs = select_questions(args.questions, "all", args.per_category)
     prompts = [q["turns"][0] for q in qs]
     seqs = self_distill(lm, prompts, args.answer_tokens)
     plens = [len(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)) for p in prompts]

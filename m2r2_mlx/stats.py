@@ -21,8 +21,16 @@ class AnswerStats:
     elapsed_s: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: str | None = None
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per full-model step, after the prefill's token
+    _run: int = 0
 
     def add(self, ev: TokenEvent) -> None:
+        # A step yields its accepted drafts, then the full model's own token (the end-of-sequence may be either).
+        if ev.index > 0:
+            self._run += 1
+            if not ev.drafted or ev.finish_reason:
+                self.accept_lengths.append(self._run)
+                self._run = 0
         self.num_layers = ev.num_layers
         self.prompt_tokens, self.prefill_tokens, self.prompt_time_s = ev.prompt_tokens, ev.prefill_tokens, ev.prompt_time_s
         self.elapsed_s = ev.elapsed_s
@@ -43,8 +51,10 @@ class AnswerStats:
 
     @property
     def accepted_per_step(self) -> float:
-        """Tokens per full-model step: 1.00 for plain decoding; drafts accepted add to it."""
-        return self.tokens / max(self.tokens - self.drafted, 1) if self.tokens else 0.0
+        """Mean tokens per full-model step: 1.00 for plain decoding; accepted drafts add to it."""
+        if not self.accept_lengths:
+            return 1.0 if self.tokens else 0.0
+        return sum(self.accept_lengths) / len(self.accept_lengths)
 
     @property
     def layers_skipped(self) -> float:
