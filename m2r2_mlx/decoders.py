@@ -9,9 +9,10 @@ from typing import Callable, Iterator
 from .errors import M2R2Error
 from .generate import TokenEvent, generate
 
-MODES = ("plain", "speculative", "layerskip", "lookup")
+MODES = ("plain", "speculative", "early-exit", "layerskip", "lookup")
 MODE_HELP = {
     "plain": "plain decoding",
+    "early-exit": "lossy dynamic early exit: a token leaves at the first gate whose exit score reaches --tau",
     "speculative": "lossless self-speculative decoding, M2R2 fast-stream drafts",
     "layerskip": "lossless self-speculative decoding, drafts from the slow state's naive exit (no adapters)",
     "lookup": "lossless prompt-lookup decoding (drafts copied from the context)",
@@ -76,17 +77,24 @@ def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, thres
 
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
                  gate: int | None = None, max_draft: int = 6, threshold: float = 0.0,
-                 draft_vocab: int | None = None) -> Decoder:
+                 draft_vocab: int | None = None, tau: float = 0.9) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
     ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first);
     ``threshold`` stops a draft early when its confidence falls below it; ``draft_vocab`` scores
-    drafts over the model's N most frequent tokens only.
+    drafts over the model's N most frequent tokens only; ``tau`` is early exit's exit threshold.
     """
     if mode == "plain":
         return partial(generate, lm.model, lm.tokenizer)
     if mode not in MODES:
         raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if mode == "early-exit":
+        from .early_exit import early_exit_generate
+
+        m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
+        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau)
+        decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
+        return decode
     from .speculative import speculative_generate
 
     drafter = make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab)

@@ -42,12 +42,12 @@ class SlowKVView:
     fast stream's own for the new positions appended, and stores nothing.
     """
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, cache, shift: int = 0):
+        self.cache, self.shift = cache, shift  # shift: positions missing from this layer's cache (deferred fill)
 
     @property
     def offset(self) -> int:
-        return self.cache.offset
+        return self.cache.offset + self.shift
 
     def make_mask(self, *args, **kwargs):
         return self.cache.make_mask(*args, **kwargs)
@@ -102,11 +102,12 @@ class M2R2Model(nn.Module):
         return h
 
     # ---- decode time -------------------------------------------------------------------
-    def fast_exit_state(self, h_start: mx.array, gate_index: int, cache_layers) -> mx.array:
+    def fast_exit_state(self, h_start: mx.array, gate_index: int, cache_layers, shift: dict | None = None) -> mx.array:
         """Fast-stream state at gate ``gate_index`` for new tokens whose slow state at the
-        interval's start is ``h_start``; earlier positions come from ``cache_layers``."""
+        interval's start is ``h_start``; earlier positions come from ``cache_layers``
+        (``shift[i]``: positions not yet in layer i's cache, as in early exit's deferred fill)."""
         start, stop = self.config.intervals()[gate_index]
-        views = {i: SlowKVView(cache_layers[i]) for i in range(start, stop)}
+        views = {i: SlowKVView(cache_layers[i], (shift or {}).get(i, 0)) for i in range(start, stop)}
         mask = self.parts.mask(h_start, views[start])
         return self.fast_layers(h_start, start, stop, mask, views)
 

@@ -60,6 +60,10 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    def record(self, token: int) -> None:
+        """Note a token whose K/V a strategy writes into ``layers`` itself (early exit's layer-by-layer walk)."""
+        self._tokens.append(token)
+
     def trim(self, n: int) -> None:
         if n <= 0:
             return

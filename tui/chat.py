@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop drafting when a draft's probability falls below this (default: 0 = never)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="score drafts over the model's N most frequent tokens only (needs draft_vocab.json)")
+    p.add_argument("--tau", type=float, default=0.9,
+                   help="early-exit threshold: exit at the first gate whose exit score reaches it (default: 0.9)")
     p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
@@ -46,6 +48,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise M2R2Error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     if args.temp < 0:
         raise M2R2Error(f"--temp must be 0 (greedy) or positive (got {args.temp})")
+    if not 0 <= args.tau <= 1.5:
+        raise M2R2Error(f"--tau must be in [0, 1] (above 1 never exits; got {args.tau})")
     if not 0 <= args.threshold <= 1:
         raise M2R2Error(f"--threshold must be in [0, 1] (got {args.threshold})")
     if args.draft_vocab is not None and args.draft_vocab < 1:
@@ -63,7 +67,7 @@ def make_session(args: argparse.Namespace, lm):
     from m2r2_mlx.decoders import make_decoder
 
     decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft,
-                           threshold=args.threshold, draft_vocab=args.draft_vocab)
+                           threshold=args.threshold, draft_vocab=args.draft_vocab, tau=args.tau)
     return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder)
 
 

@@ -1,0 +1,141 @@
+"""Dynamic early exit (lossy): a token leaves the model at the first gate whose exit score reaches tau.
+
+Per token, gate by gate: the slow stream has reached g_(j-1); the exit candidate at
+gate j is either the M2R2 fast stream over interval j (``source="m2r2"``) or the slow
+state's own exit after the slow stream reaches g_j (``source="naive"``); its score (the
+exit rule: max-softmax confidence, or ARLA's p_exit) decides. A fixed schedule
+(SkipDecode-style: exit gate by position in the answer) can replace the score.
+
+Deferred KV fill: an exited token's deeper layers have no K/V yet. It waits as
+"pending" with its slow state at the layer where its slow stream stopped, and joins
+the next token's forward at that layer: from there on the layers run on
+[pending..., new] as one causal chunk, so its K/V are exactly what the full model
+would have written and the prefix is never recomputed. Pending tokens always form a
+suffix of the sequence, so each layer's cache stays a plain append-only cache.
+At the end of an answer the still-pending tokens are filled, leaving the cache
+consistent for the next turn. Caveat: a fast-stream check inside a layer range where
+an earlier token is still pending does not see that token there (the slow stream,
+and so the cache, is exact).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from .generate import PromptCache, TokenEvent, start_decoding
+from .sampling import Sampling, sample_from, sampling_probs
+
+
+def confidence(logits: mx.array, h_exit: mx.array, gate_index: int, trail: list) -> float:
+    """Max-softmax confidence of the exit distribution (the plain baseline exit rule)."""
+    return mx.softmax(logits.astype(mx.float32)).max().item()
+
+
+class EarlyExit:
+    """Walks one token through the model gate by gate, with deferred KV fill of exited tokens."""
+
+    def __init__(self, m2r2, cache: PromptCache, *, tau: float, source: str = "m2r2", rule: Callable = confidence,
+                 gates: Sequence[int] | None = None, schedule: Callable[[int], int | None] | None = None):
+        self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
+        self.tau, self.source, self.rule, self.schedule = tau, source, rule, schedule
+        self.intervals = m2r2.config.intervals()
+        allowed = set(m2r2.config.gates if gates is None else gates)
+        self.check = [stop in allowed for _, stop in self.intervals]
+        self.L = self.parts.num_layers
+        self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order
+        self.layer_evals = 0  # token-layer evaluations, fast stream and fills included
+
+    def _slow(self, h: mx.array, start: int, stop: int) -> mx.array:
+        """Slow stream on the chunk from layer ``start`` to ``stop``; pending tokens join at their layer."""
+        layers = self.cache.layers
+        for i in range(start, stop):
+            joining = [s for c, s in self.pending if c == i]
+            if joining:  # earlier positions than the chunk's: they go in front
+                self.pending = [(c, s) for c, s in self.pending if c != i]
+                h = mx.concatenate(joining + [h], axis=1)
+            h = self.parts.layers[i](h, self.parts.mask(h, layers[i]), cache=layers[i])
+            self.layer_evals += h.shape[1]
+        return h
+
+    def _settle(self, h: mx.array, layer: int) -> None:
+        """After a forward that stopped at ``layer``: every token in the chunk is pending from there."""
+        self.pending += [(layer, h[:, i:i + 1]) for i in range(h.shape[1])]  # after those that have not joined yet
+
+    def step(self, token: int, index: int) -> tuple[mx.array, int]:
+        """Logits for the token after ``token`` and the layer count that produced them."""
+        self.cache.record(token)
+        h = self.parts.embed(mx.array([[token]]))
+        forced = self.schedule(index) if self.schedule else None
+        trail: list = []  # what the exit rule keeps across this token's gates (ARLA's latents)
+        pos = 0
+        for j, (start, stop) in enumerate(self.intervals):
+            h = self._slow(h, pos, start)
+            pos = start
+            if (forced != stop) if self.schedule else not self.check[j]:
+                continue
+            if self.source == "m2r2":
+                # tokens still pending below a layer are missing from its cache: shift the fast stream's position
+                shift = {i: sum(c <= i for c, _ in self.pending) for i in range(start, stop)}
+                h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift)
+                self.layer_evals += stop - start
+            else:
+                h = self._slow(h, pos, stop)
+                pos, h_exit = stop, h[:, -1:]
+            logits = self.parts.head(h_exit)[0, -1]
+            if self.schedule or self.rule(logits, h_exit, j, trail) >= self.tau:
+                self._settle(h, pos)
+                return logits, stop
+        h = self._slow(h, pos, self.L)
+        return self.parts.head(h[:, -1:])[0, -1], self.L
+
+    def flush(self) -> None:
+        """Fill the K/V of every pending token (end of an answer), so the cache is the full model's."""
+        if not self.pending:
+            return
+        first = min(c for c, _ in self.pending)
+        h = mx.concatenate([s for c, s in self.pending if c == first], axis=1)
+        self.pending = [(c, s) for c, s in self.pending if c != first]
+        self._slow(h, first, self.L)
+        mx.eval([c.state for c in self.cache.layers])
+
+
+def early_exit_generate(
+    m2r2,
+    tokenizer,
+    prompt: Sequence[int],
+    *,
+    tau: float = 0.9,
+    source: str = "m2r2",
+    rule: Callable = confidence,
+    gates: Sequence[int] | None = None,
+    schedule: Callable[[int], int | None] | None = None,
+    cache: PromptCache | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    context_length: int | None = None,
+    stats: dict | None = None,
+) -> Iterator[TokenEvent]:
+    """Decode with dynamic early exit; each event's ``exit_layer`` is the gate its token left at."""
+    if seed is not None:
+        mx.random.seed(seed)
+    s = Sampling(temperature, top_p)
+    pick = (lambda lg: int(mx.argmax(lg).item())) if s.greedy else (lambda lg: sample_from(sampling_probs(lg, s)))
+    cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length)
+    walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule)
+    exit_layer = walker.L
+    try:
+        while True:
+            y = pick(logits)
+            ev = events.event(y, exit_layer=exit_layer)
+            yield ev
+            if ev.finish_reason:
+                return
+            logits, exit_layer = walker.step(y, events.n)
+    finally:  # also on cancel: leave the cache as the full model's
+        walker.flush()
+        if stats is not None:
+            stats["layer_evals"] = stats.get("layer_evals", 0) + walker.layer_evals

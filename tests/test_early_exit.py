@@ -1,0 +1,88 @@
+"""Dynamic early exit: deferred KV fill is exact, tau above 1 is plain decoding, exits only at gates."""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+
+import mlx.core as mx
+
+from m2r2_mlx.adapters import new_m2r2
+from m2r2_mlx.early_exit import early_exit_generate
+from m2r2_mlx.generate import PromptCache, generate
+
+from .tiny import tiny_model
+
+PROMPTS = [[5, 17, 99, 3, 42, 7], [64, 2, 88, 11], [9, 9, 30, 31, 32, 33, 34, 35]]
+
+
+@pytest.fixture(scope="module")
+def tiny_m2r2(lm):
+    base = tiny_model("llama", seed=21, vocab_size=lm.config["vocab_size"], num_hidden_layers=8)
+    m = new_m2r2(base, gates=[2, 4, 6])
+    mx.random.seed(22)
+    m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.02, m.parameters()))
+    mx.eval(m.parameters())
+    return m
+
+
+def full_cache(model, tokens):
+    cache = PromptCache(model)
+    cache.forward(tokens)
+    return cache
+
+
+def assert_cache_is_full_models(model, cache):
+    ref = full_cache(model, cache.tokens)
+    for a, b in zip(ref.layers, cache.layers):
+        assert b.offset == len(cache.tokens)  # every position filled at every layer
+        np.testing.assert_allclose(np.array(b.keys[..., : b.offset, :]), np.array(a.keys[..., : a.offset, :]), atol=2e-4)
+        np.testing.assert_allclose(np.array(b.values[..., : b.offset, :]), np.array(a.values[..., : a.offset, :]), atol=2e-4)
+
+
+def test_tau_above_every_probability_is_plain_decoding(lm, tiny_m2r2):
+    model = tiny_m2r2.base
+    for prompt in PROMPTS:
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=20)]
+        got = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=1.01, max_tokens=20))
+        assert [e.token for e in got] == plain
+        assert all(e.exit_layer == 8 for e in got)
+
+
+def mixed(i):  # exits at every depth in turn, and full passes between them
+    return [2, 6, None, 4, 2, 2, None, 6][i % 8]
+
+
+@pytest.mark.parametrize("source, schedule", [("m2r2", None), ("naive", None), ("m2r2", mixed), ("naive", mixed)])
+def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, schedule):
+    model = tiny_m2r2.base
+    exits = set()
+    for prompt in PROMPTS:
+        cache = PromptCache(model)
+        events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, source=source, cache=cache,
+                                          schedule=schedule, max_tokens=16))
+        exits |= {e.exit_layer for e in events[1:]}
+        assert cache.tokens == prompt + [e.token for e in events[:-1]]
+        assert_cache_is_full_models(model, cache)
+    assert min(exits) < 8  # tokens did exit early, so pending tokens were filled
+
+
+def test_exits_only_at_allowed_gates(lm, tiny_m2r2):
+    for gates in (None, [4], [4, 6]):
+        allowed = set(gates or tiny_m2r2.config.gates) | {8}
+        events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.0, gates=gates, max_tokens=12))
+        assert {e.exit_layer for e in events[1:]} <= allowed
+        assert min(e.exit_layer for e in events[1:]) == min(allowed)  # tau 0: the first allowed gate, never before
+
+
+def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
+    model = tiny_m2r2.base
+    cache = PromptCache(model)
+    schedule = lambda i: 2 if i % 2 else None  # noqa: E731  (odd positions exit at L2, even ones run the full model)
+    events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[1], schedule=schedule, source="naive",
+                                      cache=cache, max_tokens=10))
+    assert [e.exit_layer for e in events[1:]] == [2 if i % 2 else 8 for i in range(1, 10)]
+    assert_cache_is_full_models(model, cache)
+    # a second turn reuses the cache the first one left (only the new tokens are prefilled)
+    turn2 = cache.tokens + [events[-1].token, 50, 51]
+    ev = next(iter(early_exit_generate(tiny_m2r2, lm.tokenizer, turn2, tau=1.01, cache=cache, max_tokens=2)))
+    assert ev.prefill_tokens == 3
