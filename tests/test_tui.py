@@ -100,3 +100,35 @@ def test_save_and_load_commands(lm, tmp_path):
             assert "Paris" in str(_answers(app)[-1].render())
 
     asyncio.run(run())
+
+
+def test_modes_switch_live_and_keep_the_conversation(lm):
+    async def run():
+        app = ChatApp(_args("--max-tokens", "24"), lm=lm)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _ask(pilot, app, "What is the capital of France?")
+            plain_answer = app.session.last_answer
+            await pilot.press("f2")  # plain -> speculative
+            await _wait(pilot, lambda: "speculative" in app.sub_title)
+            await _ask(pilot, app, "And of Germany?")
+            assert "Berlin" in app.session.last_answer
+            prefill = str(app.query_one("#stats", Static).render()).split("prefill")[1].split()[0]
+            done, total = map(int, prefill.split("/"))
+            assert done < total  # the new mode's turn reused the cache the plain turn left
+            await pilot.press("f2")  # speculative -> early exit
+            await _wait(pilot, lambda: "early-exit" in app.sub_title and "tau 0.90" in app.sub_title)
+            await pilot.press("f3")  # tau down
+            await _wait(pilot, lambda: "tau 0.85" in app.sub_title)
+            await _ask_command(pilot, app, "/tau 1.01")  # never exits: plain decoding's answer
+            await _wait(pilot, lambda: "tau 1.01" in app.sub_title)
+            await _ask_command(pilot, app, "/regen")
+            await _wait(pilot, lambda: not app.streaming and app.session.messages[-1]["role"] == "assistant", 300)
+            await pilot.pause(0.3)
+            assert "L30" in str(app.query_one("#hist", Static).render())
+            assert "early-exit" in str(app.query_one("#stats", Static).render())
+            await _ask_command(pilot, app, "/mode warp")
+            assert any("unknown mode" in str(w.render()) for w in app.query(".notice").results(Static))
+            assert [m["role"] for m in app.session.messages] == ["user", "assistant"] * 2
+            assert plain_answer == app.session.messages[1]["content"]
+
+    asyncio.run(run())

@@ -25,8 +25,9 @@ from m2r2_mlx.stats import AnswerStats
 from .chat import generation_options
 from .render import legend, token_text
 
-HELP = ("/regen  answer again · /reset  new conversation · /save FILE (/save! FILE overwrites) · "
-        "/load FILE · /copy  copy last answer · /quit")
+HELP = ("F2 next mode · F3/F4 tau -/+ · /mode plain|speculative|early-exit · /tau X · /regen  answer again · "
+        "/reset  new conversation · /save FILE (/save! FILE overwrites) · /load FILE · /copy  copy last answer · /quit")
+LIVE_MODES = ("plain", "speculative", "early-exit")  # what F2 cycles through
 
 
 class MLXThread:
@@ -65,6 +66,9 @@ class ChatApp(App):
         Binding("ctrl+r", "regen", "Regenerate"),
         Binding("ctrl+y", "copy", "Copy answer"),
         Binding("ctrl+l", "reset", "New chat"),
+        Binding("f2", "next_mode", "Mode"),
+        Binding("f3", "tau(-0.05)", "tau-"),
+        Binding("f4", "tau(0.05)", "tau+"),
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
@@ -114,12 +118,57 @@ class ChatApp(App):
         self.call_from_thread(self._model_ready)
 
     def _model_ready(self) -> None:
-        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.args.mode}"
-        depths = getattr(self.session.decode, "exit_layers", [self.lm.num_layers])
-        self.query_one("#legend", Static).update(legend(depths, self.lm.num_layers))
+        self._show_mode()
         self._update_stats(AnswerStats())
         self._post(f"ready · {blas_info().describe()} · {HELP}", "notice")
         self._unlock_input()
+
+    def _show_mode(self) -> None:
+        tau = f" · tau {self.args.tau:.2f}" if self.args.mode == "early-exit" else ""
+        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.args.mode}{tau}"
+        depths = getattr(self.session.decode, "exit_layers", [self.lm.num_layers])
+        self.query_one("#legend", Static).update(legend(depths, self.lm.num_layers))
+
+    # ---- live mode switching: the conversation and its cache carry over ----------------------
+    def switch_mode(self, mode: str, tau: float | None = None) -> None:
+        if self.session is None:
+            return
+        if self.streaming:
+            self.notify("wait for the answer to finish (Esc cancels it)")
+            return
+        if mode not in LIVE_MODES:
+            self._post(f"error: unknown mode {mode!r}; choose one of {', '.join(LIVE_MODES)}", "notice")
+            return
+        old = (self.args.mode, self.args.tau)
+        self.args.mode = mode
+        self.args.tau = self.args.tau if tau is None else min(max(tau, 0.0), 1.01)
+        self.mlx.submit(lambda: self._job_switch(old))
+
+    def _job_switch(self, old) -> None:
+        """Runs on the MLX thread: a new decoder for the same session (history and cache kept)."""
+        from m2r2_mlx.decoders import make_decoder
+
+        a = self.args
+        try:
+            decoder = make_decoder(self.lm, a.mode, a.adapters, gate=a.gate, max_draft=a.draft,
+                                   threshold=a.threshold, draft_vocab=a.draft_vocab, tau=a.tau)
+        except M2R2Error as e:
+            a.mode, a.tau = old
+            self.call_from_thread(self._post, f"error: {e}", "notice")
+            return
+        self.session.decode = decoder
+        self.call_from_thread(self._mode_switched)
+
+    def _mode_switched(self) -> None:
+        self._show_mode()
+        self.notify(f"mode: {self.args.mode}" + (f" (tau {self.args.tau:.2f})" if self.args.mode == "early-exit" else ""))
+
+    def action_next_mode(self) -> None:
+        i = LIVE_MODES.index(self.args.mode) if self.args.mode in LIVE_MODES else -1
+        self.switch_mode(LIVE_MODES[(i + 1) % len(LIVE_MODES)])
+
+    def action_tau(self, delta: float) -> None:
+        self.switch_mode("early-exit", round(self.args.tau + delta, 2))
 
     # ---- helpers ------------------------------------------------------------------------
     def _post(self, text: str | Text, classes: str = "") -> Static:
@@ -138,6 +187,7 @@ class ChatApp(App):
     def _update_stats(self, s: AnswerStats) -> None:
         accepted = s.accepted_per_step
         self.query_one("#stats", Static).update(
+            f"mode     {self.args.mode:>14s}\n"
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
             f"tokens         {s.tokens:8d}\n"
             f"accepted/step  {accepted:8.2f}\n"
@@ -259,6 +309,14 @@ class ChatApp(App):
                         self._post(Text(("you › " if m["role"] == "user" else "") + m["content"]),
                                   "user" if m["role"] == "user" else "assistant")
                 self._post(f"loaded {Path(arg).name}", "notice")
+            elif cmd == "/mode":
+                self.switch_mode(arg)
+            elif cmd == "/tau":
+                try:
+                    tau = float(arg)
+                except ValueError:
+                    raise M2R2Error("usage: /tau X, a number in [0, 1] (above 1 never exits)") from None
+                self.switch_mode("early-exit", tau)
             elif cmd in ("/quit", "/exit"):
                 self.exit()
             elif cmd == "/help":
