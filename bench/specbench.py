@@ -128,7 +128,8 @@ def run_turns(lm, decode, turns: list[str], max_tokens: int) -> list[dict]:
         decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
         out.append({"tokens": tokens, "text": session.last_answer, "new_tokens": len(tokens),
                     "wall_time": time.perf_counter() - t0, "decode_time": decode_s,
-                    "accept_lengths": stats.accept_lengths, "peak_memory_gb": mx.get_peak_memory() / 1e9})
+                    "accept_lengths": stats.accept_lengths, "exit_layers": stats.exit_layers,
+                    "peak_memory_gb": mx.get_peak_memory() / 1e9})
     return out
 
 

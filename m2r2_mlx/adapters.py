@@ -29,11 +29,12 @@ def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64,
     return M2R2Model(lm.model, cfg)
 
 
-def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False) -> Path:
+def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, keep: tuple[str, ...] = ()) -> Path:
+    """Write the folder atomically; ``keep`` names files of an existing folder to carry over (a data cache)."""
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
-    with atomic_folder(folder) as tmp:
+    with atomic_folder(folder, keep=keep) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
     return folder

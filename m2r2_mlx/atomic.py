@@ -7,20 +7,24 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 @contextmanager
-def atomic_folder(dest: str | Path) -> Iterator[Path]:
+def atomic_folder(dest: str | Path, keep: Sequence[str] = ()) -> Iterator[Path]:
     """Yield a temporary sibling folder to fill; on success it replaces ``dest`` in one rename.
 
-    Callers decide beforehand whether replacing an existing ``dest`` is allowed.
+    Callers decide beforehand whether replacing an existing ``dest`` is allowed. Entries of
+    the old ``dest`` named in ``keep`` (and not written anew) move into the new folder.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         yield tmp
+        for name in keep:
+            if (dest / name).exists() and not (tmp / name).exists():
+                os.replace(dest / name, tmp / name)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)

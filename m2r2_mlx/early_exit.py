@@ -45,7 +45,10 @@ class EarlyExit:
         self.check = [stop in allowed for _, stop in self.intervals]
         self.L = self.parts.num_layers
         self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order
-        self.layer_evals = 0  # token-layer evaluations, fast stream and fills included
+        # Cost counters. A layer pass reads the layer's weights once, whatever the chunk size: on a
+        # memory-bound decoder that is the cost. Token-layers count the arithmetic (fills included).
+        self.layer_passes = 0
+        self.token_layers = 0
 
     def _slow(self, h: mx.array, start: int, stop: int) -> mx.array:
         """Slow stream on the chunk from layer ``start`` to ``stop``; pending tokens join at their layer."""
@@ -56,7 +59,8 @@ class EarlyExit:
                 self.pending = [(c, s) for c, s in self.pending if c != i]
                 h = mx.concatenate(joining + [h], axis=1)
             h = self.parts.layers[i](h, self.parts.mask(h, layers[i]), cache=layers[i])
-            self.layer_evals += h.shape[1]
+            self.layer_passes += 1
+            self.token_layers += h.shape[1]
         return h
 
     def _settle(self, h: mx.array, layer: int) -> None:
@@ -79,7 +83,8 @@ class EarlyExit:
                 # tokens still pending below a layer are missing from its cache: shift the fast stream's position
                 shift = {i: sum(c <= i for c, _ in self.pending) for i in range(start, stop)}
                 h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift)
-                self.layer_evals += stop - start
+                self.layer_passes += stop - start
+                self.token_layers += stop - start
             else:
                 h = self._slow(h, pos, stop)
                 pos, h_exit = stop, h[:, -1:]
@@ -138,4 +143,5 @@ def early_exit_generate(
     finally:  # also on cancel: leave the cache as the full model's
         walker.flush()
         if stats is not None:
-            stats["layer_evals"] = stats.get("layer_evals", 0) + walker.layer_evals
+            stats["layer_passes"] = stats.get("layer_passes", 0) + walker.layer_passes
+            stats["token_layers"] = stats.get("token_layers", 0) + walker.token_layers

@@ -33,6 +33,7 @@ from .evaluate import gate_agreement
 from .losses import gate_loss, teacher_targets
 
 CHECKPOINT = "checkpoint"
+DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", metavar="ADAPTERS", help="warm start: begin from this adapters folder (its gates and rank)")
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage", choices=("adapters", "arla", "both"), default="both",
+                   help="train the adapters, then ARLA on their exits (both, default); 'arla' trains only ARLA "
+                        "on the adapters given by --init or --resume")
+    p.add_argument("--arla-rows", type=int, default=48, help="training rows whose tokens teach ARLA (default 48)")
+    p.add_argument("--arla-steps", type=int, default=400, help="ARLA optimisation steps (default 400)")
     return p
 
 
@@ -65,7 +71,7 @@ def load_rows(args, lm, out: Path) -> np.ndarray:
     """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy)."""
     from tqdm.auto import tqdm
 
-    cache = out / "data.npy"
+    cache = out / DATA_CACHE
     if cache.is_file():
         return np.load(cache)
     seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
@@ -158,8 +164,10 @@ def train(args) -> Path:
     if args.resume and ck.is_dir():
         m2r2 = load_adapters(lm, ck / "adapters")
         start = json.loads((ck / "state.json").read_text())["step"]
-    elif args.init:
-        m2r2 = load_adapters(lm, args.init)
+    elif args.init or (args.stage == "arla" and (out / "m2r2_config.json").is_file()):
+        m2r2 = load_adapters(lm, args.init or out)
+    elif args.stage == "arla":
+        raise M2R2Error("--stage arla trains ARLA on existing adapters: pass --init FOLDER, or --resume an OUTPUT that has them")
     else:
         m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank)
     rows = load_rows(args, lm, out)
@@ -172,6 +180,8 @@ def train(args) -> Path:
     if start and (ck / "optimizer.safetensors").is_file():
         trainer.restore(ck / "optimizer.safetensors")
 
+    if args.stage == "arla":
+        start = args.steps  # the adapters are given: straight to the second stage
     rng = np.random.default_rng(args.seed + start)
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training adapters", unit="step")
     tokens, t0 = 0, time.perf_counter()
@@ -187,17 +197,51 @@ def train(args) -> Path:
 
     print("held-out evaluation…", file=sys.stderr)
     metrics = gate_agreement(m2r2, eval_rows)
-    m2r2.config.extra = {
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("resume", "force", "output")},
+    extra = dict(m2r2.config.extra) if args.stage == "arla" else {}
+    extra.update({
         "heldout_agreement": metrics,
         "train_rows": int(len(train_rows)),
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    save_adapters(m2r2, out, overwrite=True)
+    })
+    if args.stage != "arla":
+        extra.update({"recipe": {k: v for k, v in vars(args).items() if k not in ("resume", "force", "output")},
+                      "seconds": round(time.perf_counter() - t0, 1)})
+    if args.stage in ("arla", "both"):
+        extra["exit_auc"] = train_arla(m2r2, train_rows[: args.arla_rows], eval_rows, args.arla_steps, args.seed)
+    m2r2.config.extra = extra
+    save_adapters(m2r2, out, overwrite=True, keep=(DATA_CACHE,))  # the data cache serves a later --stage arla
+    draft_vocab_from(rows, out, lm)
     for j, g in enumerate(metrics["gates"]):
         print(f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
               f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
     return out
+
+
+def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, seed: int) -> dict:
+    """Second stage: ARLA on the trained adapters' exits, with the baselines' ROC AUC beside it."""
+    from tqdm.auto import tqdm
+
+    from .arla import ARLA
+    from .exit_decisions import collect_features, train_exit_decisions
+
+    cfg = m2r2.config
+    cfg.arla = True
+    m2r2.arla = ARLA(cfg.hidden_size, cfg.arla_dim, len(cfg.gates))
+    with tqdm(total=len(train_rows) + len(eval_rows), desc="ARLA features", unit="row") as bar:
+        train_feats = collect_features(m2r2, train_rows, progress=bar.update)
+        eval_feats = collect_features(m2r2, eval_rows, progress=bar.update)
+    result = train_exit_decisions(m2r2, train_feats, eval_feats, steps, seed)
+    for name, aucs in result["auc"].items():
+        print(f"exit ROC AUC, {name:>12s}: " + "  ".join(f"L{g} {a:.3f}" for g, a in zip(cfg.gates, aucs)),
+              file=sys.stderr)
+    return result
+
+
+def draft_vocab_from(rows: np.ndarray, out: Path, lm) -> None:
+    """The draft head's vocabulary (draft_vocab.json), counted on the same rows."""
+    from .draft_vocab import rank_tokens, save_draft_vocab
+
+    tokens, cover = rank_tokens(rows, int(lm.config["vocab_size"]))
+    save_draft_vocab(out, tokens, cover, source=f"m2r2-train rows: {rows.size} tokens")
 
 
 def _main() -> int:
