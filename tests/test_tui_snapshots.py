@@ -1,0 +1,48 @@
+"""SVG snapshots of the chat's main screens, on the real default model (pytest-textual-snapshot).
+
+What varies between machines and runs is pinned, nothing else: the decode clock (a fake
+perf_counter inside the decoding engine only), the BLAS line and the peak-memory reading.
+Tokens, their exit-depth colours, the legend, the panel layout and the histogram are real.
+Update after an intended UI change with: pytest tests/test_tui_snapshots.py --snapshot-update
+"""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+import m2r2_mlx.generate as generate_module
+import tui.app as app_module
+from m2r2_mlx.blas import BlasInfo
+from tui.app import ChatApp
+from tui.chat import build_parser
+
+from .test_tui import _ask
+
+SIZE = (110, 30)
+
+
+@pytest.fixture
+def steady(monkeypatch):
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(generate_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 0.05))
+    monkeypatch.setattr(app_module, "blas_info", lambda: BlasInfo("openblas", None, ""))
+    monkeypatch.setattr(mx, "get_peak_memory", lambda: 600_000_000)
+
+
+def _app(lm, *argv):
+    return ChatApp(build_parser().parse_args(["--max-tokens", "12", *argv]), lm=lm)
+
+
+def test_snapshot_plain_answer(lm, steady, snap_compare):
+    async def ask(pilot):
+        await _ask(pilot, pilot.app, "What is the capital of France?")
+
+    assert snap_compare(_app(lm), terminal_size=SIZE, run_before=ask)
+
+
+def test_snapshot_early_exit_colours(lm, steady, snap_compare):
+    async def ask(pilot):
+        await _ask(pilot, pilot.app, "Name three colors.")
+
+    assert snap_compare(_app(lm, "--mode", "early-exit", "--tau", "0.6"), terminal_size=SIZE, run_before=ask)
