@@ -32,10 +32,15 @@ def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64,
     return M2R2Model(lm.model, cfg)
 
 
+def refuse_existing(folder: str | Path, overwrite: bool = False) -> None:
+    """An existing folder is only replaced when asked to (--force)."""
+    if Path(folder).exists() and not overwrite:
+        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
+
+
 def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False) -> Path:
     folder = Path(folder)
-    if folder.exists() and not overwrite:
-        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
+    refuse_existing(folder, overwrite)
     with atomic_folder(folder) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
