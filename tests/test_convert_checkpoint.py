@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from convert import torch_reference as ref
 from convert.checkpoint import plan_conversion
 from convert.cli import parse_args
-from convert.peft import to_peft_name
+from convert.peft import to_m2r2_name, to_peft_name
 from convert.sources import read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,7 +237,10 @@ def write_peft(folder: Path, deltas, fmt="safetensors", **config) -> Path:
 
 
 def test_peft_names():
-    assert to_peft_name("lora.3.self_attn.q_proj.lora_a.weight") == "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"
+    peft = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"
+    assert to_peft_name("lora.3.self_attn.q_proj.lora_a.weight") == peft
+    assert to_m2r2_name(peft) == to_m2r2_name(peft.replace("lora_A", "lora_A.default")) == "lora.3.self_attn.q_proj.lora_a.weight"
+    assert to_m2r2_name("base_model.model.lm_head.weight") is None
 
 
 def test_peft_lora_converts_to_the_same_exits(base, tmp_path):

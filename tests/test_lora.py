@@ -96,3 +96,17 @@ def test_unknown_or_non_linear_targets_are_refused():
         new_m2r2(tiny_model("llama"), gates=[2], lora_targets=["qkv_proj"])
     with pytest.raises(M2R2Error, match="not a linear projection"):
         new_m2r2(tiny_model("olmoe"), gates=[2], lora_targets=["gate_proj"])  # olmoe's experts
+
+
+def test_lora_form_trains():
+    from m2r2_mlx.train import Trainer
+
+    lm = tiny_model("llama", seed=4)
+    m = new_m2r2(lm, gates=[2, 4], rank=8, lora_targets=["q_proj", "v_proj", "up_proj", "down_proj"])
+    trainer = Trainer(m, lr=3e-3, steps=20, temperature=1.0, align=1.0)
+    ids = _ids(T=16, B=4, seed=5)
+    before = trainer.eval_loss(ids)
+    for _ in range(20):
+        trainer.step(ids)
+    assert trainer.eval_loss(ids) < 0.5 * before
+    assert all(name.startswith("lora.") for name, _ in tree_flatten(m.trainable_parameters()))
