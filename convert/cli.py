@@ -1,6 +1,8 @@
 """m2r2-convert: import weights into MLX model/adapter folders.
 
-    m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-f32   # llama GGUF -> float32 MLX folder
+    m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-f32          # llama GGUF -> float32 MLX folder
+    m2r2-convert checkpoint adapters.pt --base smollm2 -o out/       # PyTorch adapters -> MLX adapters folder
+    m2r2-convert adapters.pt --base smollm2 -o out/                  # the same: checkpoint is the default
 """
 
 from __future__ import annotations
@@ -9,28 +11,98 @@ import argparse
 import sys
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.errors import run_cli
+from m2r2_mlx.errors import M2R2Error, run_cli
+
+COMMANDS = ("gguf", "checkpoint")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-convert", description="Convert weights into MLX folders for m2r2.")
+    p = argparse.ArgumentParser(prog="m2r2-convert", description="Convert weights into MLX folders for m2r2. "
+                                "Without a command, the arguments are those of 'checkpoint'.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_gguf_parser(sub)
+    add_checkpoint_parser(sub)
+    return p
+
+
+def add_gguf_parser(sub) -> None:
     g = sub.add_parser("gguf", help="import a llama-architecture GGUF as a float32 MLX model folder",
                        description="Dequantize a llama GGUF to float32, undo llama.cpp's rotary q/k permutation, "
                                    "and rebuild its tokenizer and chat template; the folder loads with mlx_lm.load.")
     g.add_argument("gguf", help="path to the .gguf file")
     g.add_argument("-o", "--output", required=True, help="output folder (written atomically)")
     g.add_argument("--force", action="store_true", help="replace an existing output folder")
-    return p
+
+
+def add_checkpoint_parser(sub) -> None:
+    c = sub.add_parser("checkpoint", help="turn PyTorch-trained adapters (own layout or PEFT LoRA) into an M2R2 adapters folder",
+                       description="Read a PyTorch state dict (.pt/.pth/.bin), .safetensors, a sharded checkpoint "
+                                   "(*.index.json) or a folder; map its names to M2R2's, check every key and shape "
+                                   "against the base model, and write an adapters folder for m2r2-chat --adapters.")
+    c.add_argument("checkpoint", help="checkpoint file, shard index, or folder (a PEFT output folder works as it is)")
+    c.add_argument("--base", required=True, help="the base model the adapters were trained for: alias (smollm2), repo id or folder")
+    c.add_argument("-o", "--output", help="adapters folder to write (written atomically)")
+    gates = c.add_mutually_exclusive_group()
+    gates.add_argument("--gates", help="exit gates, e.g. 6,12,18,24 (default: from m2r2_config.json beside the checkpoint, "
+                                       "else every 6 layers)")
+    gates.add_argument("--every", type=int, help="a gate every N layers")
+    c.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written adapters (default: float32)")
+    c.add_argument("--dry-run", action="store_true", help="print the name mapping (source, target, shape, dtype); write nothing")
+    c.add_argument("--force", action="store_true", help="replace an existing output folder")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # the short form `m2r2-convert CKPT --base B -o OUT` means `m2r2-convert checkpoint CKPT ...`
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["checkpoint", *argv]
+    return build_parser().parse_args(argv)
+
+
+def _gates(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(g) for g in text.split(",")]
+    except ValueError:
+        raise M2R2Error(f"--gates must be layer numbers separated by commas, e.g. 6,12,18,24 (got {text!r})") from None
+
+
+def convert_checkpoint(args: argparse.Namespace) -> None:
+    from m2r2_mlx.adapters import refuse_existing
+    from m2r2_mlx.registry import load_model
+
+    from .checkpoint import format_table, plan_conversion, write_conversion
+    from .sources import read_checkpoint
+
+    if not args.output and not args.dry_run:
+        raise M2R2Error("say where to write the adapters with -o OUT_DIR (or look first with --dry-run)")
+    if args.every is not None and args.every < 1:
+        raise M2R2Error(f"--every must be at least 1 (got {args.every})")
+    if not args.dry_run:
+        refuse_existing(args.output, args.force)  # before any work
+    ckpt = read_checkpoint(args.checkpoint)
+    lm = load_model(args.base, tokenizer=False)
+    conversion = plan_conversion(ckpt, lm, gates=_gates(args.gates), every=args.every)
+    if args.dry_run:
+        print(format_table(conversion, args.dtype))
+        print("dry run: nothing written")
+        return
+    out = write_conversion(conversion, args.output, dtype=args.dtype, force=args.force)
+    cfg = conversion.config
+    print(f"wrote {out}: {conversion.layout} -> {cfg.adapter_form}, gates {cfg.gates}, {args.dtype} "
+          f"(try: m2r2-chat --model {args.base} --adapters {out} --mode speculative)")
 
 
 def _main() -> int:
-    args = build_parser().parse_args()
+    args = parse_args(sys.argv[1:])
     if args.command == "gguf":
         from m2r2_mlx.gguf_import import import_gguf
 
         out = import_gguf(args.gguf, args.output, force=args.force)
         print(f"wrote {out} (try: m2r2-chat --model {out})")
+    elif args.command == "checkpoint":
+        convert_checkpoint(args)
     return 0
 
 

@@ -14,26 +14,34 @@ from .errors import M2R2Error
 from .fast_stream import M2R2Model
 
 
-def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64, arla_dim: int = 64) -> M2R2Model:
-    """Fresh (zero-initialised) adapters for a loaded base model."""
+def config_for_base(lm, gates: list[int], **fields) -> M2R2Config:
+    """An M2R2Config for a loaded base model, which it records (name and config hash) so that
+    load_adapters can refuse another base; ``fields`` are the other M2R2Config fields."""
     parts = BaseParts(lm.model)
-    cfg = M2R2Config(
-        gates=gates or even_gates(parts.num_layers, every),
-        num_layers=parts.num_layers,
-        hidden_size=parts.hidden_size,
-        adapter_rank=rank,
-        arla_dim=arla_dim,
-        base_model=str(lm.name),
-        base_config_hash=config_hash(lm.config),
-    )
+    return M2R2Config(gates=gates, num_layers=parts.num_layers, hidden_size=parts.hidden_size,
+                      base_model=str(lm.name), base_config_hash=config_hash(lm.config), **fields)
+
+
+def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64, arla_dim: int = 64, *,
+             arla: bool = False, lora_targets: list[str] | None = None, lora_scale: float = 1.0) -> M2R2Model:
+    """Fresh (zero-initialised) adapters for a loaded base model: parallel bottlenecks, or LoRA
+    deltas on the projections named in ``lora_targets``; ARLA weights too if ``arla``."""
+    gates = gates or even_gates(len(lm.model.layers), every)
+    form = {"adapter_form": "lora", "lora_targets": list(lora_targets), "lora_scale": lora_scale} if lora_targets else {}
+    cfg = config_for_base(lm, gates, adapter_rank=rank, arla_dim=arla_dim, arla=arla, **form)
     return M2R2Model(lm.model, cfg)
+
+
+def refuse_existing(folder: str | Path, overwrite: bool = False) -> None:
+    """An existing folder is only replaced when asked to (--force)."""
+    if Path(folder).exists() and not overwrite:
+        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
 
 
 def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, keep: tuple[str, ...] = ()) -> Path:
     """Write the folder atomically; ``keep`` names files of an existing folder to carry over (a data cache)."""
     folder = Path(folder)
-    if folder.exists() and not overwrite:
-        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
+    refuse_existing(folder, overwrite)
     with atomic_folder(folder, keep=keep) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)

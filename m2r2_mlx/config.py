@@ -11,6 +11,11 @@ from .errors import M2R2Error
 CONFIG_FILE = "m2r2_config.json"
 ADAPTERS_FILE = "adapters.safetensors"
 
+# How the fast stream departs from the base in each layer it runs:
+#   parallel_bottleneck: h <- layer(h) + up(silu(down(rmsnorm(h))))
+#   lora: the layer's targeted projections W become W + lora_scale * B A, in the fast stream only
+ADAPTER_FORMS = ("parallel_bottleneck", "lora")
+
 
 def even_gates(num_layers: int, every: int) -> list[int]:
     """Gates every ``every`` layers, excluding the last layer (that exit is the base model's own)."""
@@ -22,9 +27,12 @@ class M2R2Config:
     gates: list[int]  # exit layers g_1 < ... < g_J (1-based layer counts: an exit after g layers)
     num_layers: int
     hidden_size: int
-    adapter_form: str = "parallel_bottleneck"  # h <- layer(h) + up(silu(down(rmsnorm(h)))) per fast-stream layer
+    adapter_form: str = "parallel_bottleneck"  # one of ADAPTER_FORMS
     adapter_rank: int = 64
     arla_dim: int = 64
+    arla: bool = False  # the folder holds ARLA exit-decision weights (arla.*)
+    lora_targets: list[str] = field(default_factory=list)  # "lora" form: projection names (q_proj, qkv_proj, ...)
+    lora_scale: float = 1.0  # "lora" form: delta = lora_scale * B(A(x)), PEFT's lora_alpha / r
     base_model: str = ""
     base_config_hash: str = ""
     extra: dict = field(default_factory=dict)  # training recipe, metrics: informational
@@ -33,8 +41,10 @@ class M2R2Config:
         g = self.gates
         if not g or g != sorted(set(g)) or g[0] < 1 or g[-1] >= self.num_layers:
             raise M2R2Error(f"gates {g} must be increasing layer counts in 1..{self.num_layers - 1}")
-        if self.adapter_form != "parallel_bottleneck":
-            raise M2R2Error(f"adapter form {self.adapter_form!r} is unknown; this version has 'parallel_bottleneck'")
+        if self.adapter_form not in ADAPTER_FORMS:
+            raise M2R2Error(f"adapter form {self.adapter_form!r} is unknown; this version has {', '.join(map(repr, ADAPTER_FORMS))}")
+        if (self.adapter_form == "lora") != bool(self.lora_targets):
+            raise M2R2Error("lora_targets (the projections LoRA adapts) must be given for the 'lora' adapter form, and only for it")
         if self.adapter_rank < 1:
             raise M2R2Error(f"adapter rank must be at least 1 (got {self.adapter_rank})")
 

@@ -14,7 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .arla import ARLA
 from .base_model import BaseParts
+from .lora import LoRASwitch, new_lora_deltas
 
 
 class BottleneckAdapter(nn.Module):
@@ -90,15 +92,26 @@ class M2R2Model(nn.Module):
         super().__init__()
         self.config = config
         self.parts = BaseParts(base_model)  # a plain attribute: the base is not part of our parameters
-        self.adapters = [BottleneckAdapter(config.hidden_size, config.adapter_rank) for _ in range(config.gates[-1])]
+        fast = config.gates[-1]  # the fast stream runs layers 0..fast-1
+        if config.adapter_form == "lora":
+            self.adapters = []
+            self.lora = new_lora_deltas(self.parts.layers[:fast], config.lora_targets, config.adapter_rank, config.lora_scale)
+            self.lora_switch = LoRASwitch(self.parts.layers, self.lora)
+        else:
+            self.adapters = [BottleneckAdapter(config.hidden_size, config.adapter_rank) for _ in range(fast)]
+            self.lora_switch = LoRASwitch(self.parts.layers, [])
+        if config.arla:
+            self.arla = ARLA(config.hidden_size, config.arla_dim, len(config.gates))
 
     @property
     def base(self):
         return self.parts.model
 
     def fast_layers(self, h: mx.array, start: int, stop: int, mask, views) -> mx.array:
-        for i in range(start, stop):
-            h = self.parts.layers[i](h, mask, cache=views[i]) + self.adapters[i](h)
+        with self.lora_switch.active(start, stop):  # LoRA deltas exist only inside this block
+            for i in range(start, stop):
+                out = self.parts.layers[i](h, mask, cache=views[i])
+                h = out + self.adapters[i](h) if self.adapters else out
         return h
 
     # ---- decode time -------------------------------------------------------------------

@@ -119,13 +119,21 @@ class LoadedModel:
         return int(c.get("max_position_embeddings") or c.get("max_seq_len") or c.get("n_positions") or 4096)
 
 
-def load_model(name: str | None = None) -> LoadedModel:
-    """Resolve and load a model with mlx-lm; damaged files give one clear line."""
+def load_model(name: str | None = None, *, tokenizer: bool = True) -> LoadedModel:
+    """Resolve and load a model with mlx-lm; damaged files give one clear line.
+
+    ``tokenizer=False`` loads no tokenizer and maps the weights lazily: enough for
+    tools that only need the architecture (m2r2-convert checkpoint).
+    """
     from mlx_lm import load
+    from mlx_lm.utils import load_model as load_architecture
 
     path = resolve_model_path(name)
     try:
-        model, tokenizer = load(str(path))
+        if tokenizer:
+            model, loaded_tokenizer = load(str(path))
+        else:
+            (model, _), loaded_tokenizer = load_architecture(path, lazy=True), None
     except Exception as e:
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise M2R2Error(
@@ -133,4 +141,4 @@ def load_model(name: str | None = None) -> LoadedModel:
             "a weight file may be truncated: delete the folder and download or import it again"
         ) from None
     config = json.loads((path / "config.json").read_text())
-    return LoadedModel(name or DEFAULT_MODEL, path, model, tokenizer, config)
+    return LoadedModel(name or DEFAULT_MODEL, path, model, loaded_tokenizer, config)

@@ -170,6 +170,8 @@ def train(args) -> Path:
         raise M2R2Error("--stage arla trains ARLA on existing adapters: pass --init FOLDER, or --resume an OUTPUT that has them")
     else:
         m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank)
+    if getattr(m2r2, "arla", None) is not None:
+        m2r2.arla.freeze()  # adapter training leaves an inherited ARLA alone; the ARLA stage trains a new one
     rows = load_rows(args, lm, out)
     n_eval = min(args.eval_rows, max(1, len(rows) // 10))
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]

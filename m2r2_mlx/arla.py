@@ -1,0 +1,63 @@
+"""ARLA (Accelerated Residual Latent Attention): the exit decision at each gate.
+
+At gate j the fast-stream residual is projected to a small latent z_j (plus a
+learned per-gate embedding). One attention head, queried by z_j, reads the
+token's trajectory z_1..z_j together with its velocities z_j - z_(j-1); its
+output and z_j give one logit, p_exit(j) = sigmoid(logit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+from mlx import nn
+
+
+class ARLA(nn.Module):
+    """Accelerated Residual Latent Attention: p_exit at gate j from the token's latent trajectory z_1..z_j."""
+
+    def __init__(self, dims: int, latent: int, num_gates: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(dims)
+        self.proj = nn.Linear(dims, latent)
+        self.depth = mx.zeros((num_gates, latent))  # learned per-gate embedding
+        self.query = nn.Linear(latent, latent, bias=False)
+        self.key = nn.Linear(2 * latent, latent, bias=False)
+        self.value = nn.Linear(2 * latent, latent, bias=False)
+        self.out = nn.Linear(2 * latent, 1)
+        # not ``self.latent``: that name is the method below
+        self.score_scale = 1 / math.sqrt(latent)
+
+    def latent(self, h_gate: mx.array, j: int) -> mx.array:
+        """z_j from the fast-stream residual at gate j, shape (..., dims) -> (..., latent)."""
+        return self.proj(self.norm(h_gate)) + self.depth[j]
+
+    def _keys_values(self, zs: mx.array) -> tuple[mx.array, mx.array]:
+        # The first gate has no predecessor: its velocity is exactly zero.
+        vel = mx.concatenate([mx.zeros_like(zs[..., :1, :]), zs[..., 1:, :] - zs[..., :-1, :]], axis=-2)
+        x = mx.concatenate([zs, vel], axis=-1)
+        return self.key(x), self.value(x)
+
+    def __call__(self, zs: mx.array) -> mx.array:
+        """Exit logit at gate n-1 from the latents of gates 0..n-1: (..., n, latent) -> (...)."""
+        k, v = self._keys_values(zs)
+        q = self.query(zs[..., -1, :])
+        att = mx.softmax((k @ q[..., None])[..., 0] * self.score_scale, axis=-1)  # over the n gates
+        a = (att[..., None] * v).sum(-2)
+        return self.out(mx.concatenate([a, zs[..., -1, :]], axis=-1))[..., 0]
+
+    def logits_all(self, zs: mx.array) -> mx.array:
+        """The exit logit of every prefix 1..J at once: (..., J, latent) -> (..., J).
+
+        Equal to calling ``self(zs[..., :n, :])`` for each n: a gate's velocity only
+        depends on earlier gates, and a causal mask keeps each query to its prefix.
+        """
+        k, v = self._keys_values(zs)
+        q = self.query(zs)
+        scores = (q @ k.swapaxes(-1, -2)) * self.score_scale  # (..., J queries, J gates)
+        J = zs.shape[-2]
+        causal = mx.arange(J)[None, :] <= mx.arange(J)[:, None]
+        att = mx.softmax(mx.where(causal, scores, -mx.inf), axis=-1)
+        a = att @ v
+        return self.out(mx.concatenate([a, zs], axis=-1))[..., 0]

@@ -1,0 +1,78 @@
+"""ARLA, the exit-decision head: its math, and its place in an adapters folder."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.arla import ARLA
+from m2r2_mlx.config import M2R2Config
+from m2r2_mlx.decoders import packaged_adapters
+
+from .tiny import tiny_model
+
+
+def _random_arla(dims=32, latent=8, gates=4, seed=0):
+    arla = ARLA(dims, latent, gates)
+    mx.random.seed(seed)
+    arla.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.5, arla.parameters()))
+    return arla
+
+
+def test_logits_all_equals_one_call_per_prefix():
+    arla = _random_arla()
+    zs = mx.random.normal((3, 5, 4, 8))  # (batch, tokens, gates, latent)
+    all_at_once = arla.logits_all(zs)
+    assert all_at_once.shape == (3, 5, 4)
+    for n in range(1, 5):
+        np.testing.assert_allclose(np.array(all_at_once[..., n - 1]), np.array(arla(zs[..., :n, :])), atol=1e-5, rtol=1e-5)
+
+
+def test_first_gate_has_zero_velocity():
+    """With one gate, the value the head reads is value([z, 0]): no velocity term."""
+    arla = _random_arla()
+    z = mx.random.normal((2, 1, 8))
+    expect = arla.out(mx.concatenate([arla.value(mx.concatenate([z, mx.zeros_like(z)], -1))[:, 0], z[:, 0]], -1))[..., 0]
+    assert mx.array_equal(arla(z), expect).item()
+
+
+def test_latent_adds_the_gate_embedding():
+    arla = _random_arla()
+    h = mx.random.normal((2, 32))
+    np.testing.assert_allclose(np.array(arla.latent(h, 2) - arla.latent(h, 0)),
+                               np.array(mx.broadcast_to(arla.depth[2] - arla.depth[0], (2, 8))), atol=1e-5)
+
+
+def test_arla_weights_travel_with_the_adapters(tmp_path):
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4], rank=4, arla_dim=8, arla=True)
+    names = [k for k, _ in tree_flatten(m.parameters())]
+    assert {"arla.depth", "arla.proj.weight", "arla.proj.bias", "arla.out.bias"} <= set(names)
+    assert m.arla.depth.shape == (2, 8)
+    mx.random.seed(2)
+    m.update(tree_map(lambda p: mx.random.normal(p.shape), m.parameters()))
+    again = load_adapters(lm, save_adapters(m, tmp_path / "ad"))
+    assert again.config.arla
+    for (n1, p1), (n2, p2) in zip(tree_flatten(m.parameters()), tree_flatten(again.parameters())):
+        assert n1 == n2 and mx.array_equal(p1, p2).item()
+    # without the flag, no ARLA weights
+    assert not any(k.startswith("arla.") for k, _ in tree_flatten(new_m2r2(lm, gates=[2, 4]).parameters()))
+
+
+def test_configs_from_before_arla_still_load(tmp_path):
+    folder = packaged_adapters("smollm2")
+    raw = json.loads((folder / "m2r2_config.json").read_text())
+    assert "arla" not in raw  # the packaged folder predates the field
+    cfg = M2R2Config.load(folder)
+    assert cfg.arla is False and cfg.adapter_form == "parallel_bottleneck"
+
+
+@pytest.mark.parametrize("latent", [4, 16])
+def test_shapes(latent):
+    arla = ARLA(24, latent, 3)
+    zs = mx.stack([arla.latent(mx.zeros((5, 24)), j) for j in range(3)], axis=-2)
+    assert zs.shape == (5, 3, latent)
+    assert arla(zs).shape == (5,) and arla.logits_all(zs).shape == (5, 3)
