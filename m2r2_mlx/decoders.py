@@ -75,6 +75,20 @@ def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, thres
                         adapters=mode == "speculative")
 
 
+def exit_rule(m2r2):
+    """ARLA when the adapters carry it and it separated right from wrong exits better than max-softmax
+    confidence on the trainer's held-out tokens (mean ROC AUC over gates); else confidence."""
+    from .early_exit import confidence
+    from .exit_decisions import ARLARule
+
+    auc = m2r2.config.extra.get("exit_auc", {}).get("auc", {})
+    if getattr(m2r2, "arla", None) is None:
+        return confidence
+    if auc and sum(auc.get("arla", [0])) < sum(auc.get("confidence", [0])):
+        return confidence
+    return ARLARule(m2r2.arla)
+
+
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
                  gate: int | None = None, max_draft: int = 6, threshold: float = 0.0,
                  draft_vocab: int | None = None, tau: float = 0.9) -> Decoder:
@@ -92,7 +106,7 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         from .early_exit import early_exit_generate
 
         m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
-        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau)
+        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2))
         decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
         return decode
     from .speculative import speculative_generate

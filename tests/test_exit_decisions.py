@@ -1,0 +1,87 @@
+"""Exit decisions: ROC AUC is right, ARLA trains on exits and drives early exit, the trainer's ARLA stage."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+
+import mlx.core as mx
+
+from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.arla import ARLA
+from m2r2_mlx.early_exit import early_exit_generate
+from m2r2_mlx.exit_decisions import ARLARule, collect_features, roc_auc, train_exit_decisions
+from m2r2_mlx.generate import generate
+
+from .tiny import EosAs, tiny_model
+
+
+def test_roc_auc_equals_pairwise_count():
+    rng = np.random.default_rng(0)
+    y = rng.random(500) < 0.3
+    s = np.round(y + rng.normal(size=500), 1)  # ties included
+    pos, neg = s[y], s[~y]
+    pairwise = (pos[:, None] > neg[None]).mean() + 0.5 * (pos[:, None] == neg[None]).mean()
+    assert roc_auc(s, y) == pytest.approx(pairwise)
+    assert roc_auc(y.astype(float), y) == 1.0 and np.isnan(roc_auc(s, np.zeros(500, bool)))
+
+
+@pytest.fixture(scope="module")
+def tiny(lm):
+    base = tiny_model("llama", seed=31, vocab_size=64, num_hidden_layers=6)
+    m = new_m2r2(base, gates=[2, 4])
+    mx.random.seed(32)
+    m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, m.parameters()))
+    m.config.arla, m.config.arla_dim = True, 16
+    m.arla = ARLA(m.config.hidden_size, 16, 2)
+    mx.eval(m.parameters())
+    return base, m
+
+
+def test_arla_learns_exit_labels_and_reports_every_baseline(tiny):
+    _, m = tiny
+    rows = np.random.default_rng(1).integers(0, 64, size=(24, 32))
+    feats = collect_features(m, rows[:16])
+    held = collect_features(m, rows[16:])
+    assert feats["h"].shape == (16 * 32, 2, 64) and set(np.unique(feats["label"])) <= {0, 1}
+    result = train_exit_decisions(m, feats, held, steps=60)
+    assert set(result["auc"]) == {"confidence", "linear probe", "arla"}
+    assert all(0 <= a <= 1 for aucs in result["auc"].values() for a in aucs if not np.isnan(a))
+    assert result["arla_loss"][1] < result["arla_loss"][0]  # it learned something about its labels
+
+
+def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
+    base, m = tiny
+    save_adapters(m, tmp_path / "a")
+    loaded = load_adapters(base, tmp_path / "a")
+    h = mx.random.normal((1, 64))
+    assert ARLARule(loaded.arla)(None, h, 0, []) == pytest.approx(ARLARule(m.arla)(None, h, 0, []), abs=1e-6)
+    tok = EosAs(lm.tokenizer, 10**6)
+    plain = [e.token for e in generate(base.model, tok, [3, 4, 5], max_tokens=10)]
+    never = list(early_exit_generate(loaded, tok, [3, 4, 5], tau=1.01, rule=ARLARule(loaded.arla), max_tokens=10))
+    assert [e.token for e in never] == plain
+    always = list(early_exit_generate(loaded, tok, [3, 4, 5], tau=0.0, rule=ARLARule(loaded.arla), max_tokens=10))
+    assert {e.exit_layer for e in always[1:]} == {2}
+
+
+def test_trainer_arla_stage_on_existing_adapters(tmp_path):
+    """m2r2-train --stage arla --init: ARLA weights and AUCs land beside the adapters, adapters untouched."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37} and thing{i % 11}." for i in range(3000)))
+    common = [sys.executable, "-m", "m2r2_mlx.train", "--text", str(text), "--seq-len", "64", "--batch-size", "2",
+              "--eval-rows", "2", "--gates", "10,20"]
+    first = subprocess.run([*common, "--steps", "2", "--stage", "adapters", "--rank", "4", "-o", str(tmp_path / "a")],
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-2000:]
+    r = subprocess.run([*common, "--stage", "arla", "--init", str(tmp_path / "a"), "--arla-rows", "4",
+                        "--arla-steps", "20", "-o", str(tmp_path / "b")], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "b" / "m2r2_config.json").read_text())
+    assert cfg["arla"] and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
+    assert "exit ROC AUC" in r.stderr and (tmp_path / "b" / "draft_vocab.json").is_file()
+    a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
+    b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))
+    assert any(k.startswith("arla.") for k in b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
