@@ -12,6 +12,7 @@ Writes docs/gate_agreement.md and docs/gate_agreement.png.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def _main() -> int:
     md = table(results)
     (args.out / "gate_agreement.md").write_text(
         "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
-        f"(`python -m bench.gate_agreement --adapters {folder} --per-category {args.per_category}`).\n\n"
+        f"(`python -m bench.gate_agreement --adapters {os.path.relpath(folder)} --per-category {args.per_category}`).\n\n"
         + md + "\n![agreement per gate](gate_agreement.png)\n"
     )
     print(md)

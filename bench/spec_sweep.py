@@ -52,7 +52,7 @@ def _main() -> int:
     decoders = {"plain": make_decoder(lm, "plain")}
     for g, d, t, v in grid:
         decoders[g, d, t, v] = make_decoder(lm, "speculative", args.adapters, gate=g, max_draft=d, threshold=t,
-                                            draft_vocab=v or None)
+                                            draft_vocab=v)
     run_turns(lm, decoders["plain"], ["Say hello."], 8)  # warm-up
     results = {k: {"tokens": 0, "secs": 0.0, "acc": [], "same": 0} for k in decoders}
     with tqdm(total=len(qs) * len(decoders), desc="speculative sweep", unit="answer") as bar:

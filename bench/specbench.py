@@ -29,6 +29,7 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.blas import blas_info
+from m2r2_mlx.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD
 from m2r2_mlx.errors import M2R2Error, run_cli
 
 SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"
@@ -52,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)")
     p.add_argument("--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
     p.add_argument("--gate", type=int, default=None, help="draft exit layer for m2r2/layerskip (default: first gate)")
-    p.add_argument("--draft", type=int, default=6, help="most drafted tokens per step (default 6)")
-    p.add_argument("--threshold", type=float, default=0.0, help="stop drafting below this draft confidence")
-    p.add_argument("--draft-vocab", type=int, default=None, help="M2R2 draft head over the N most frequent tokens")
+    p.add_argument("--draft", type=int, default=DEFAULT_DRAFT, help=f"most drafted tokens per step (default {DEFAULT_DRAFT})")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"M2R2 draft head over the N most frequent tokens (default {DEFAULT_DRAFT_VOCAB} where available; 0 = full)")
     p.add_argument("--draft-model", default=None, help="a small model for mlx-lm's two-model speculative decoding")
     p.add_argument("--out", type=Path, default=Path("docs/specbench"), help="folder for JSONL, table and plot")
     return p
@@ -101,10 +104,10 @@ def make_methods(args, lm) -> dict:
 
             methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft)
         else:
-            mode = {"m2r2": "speculative"}.get(name, name)
+            mode = {"m2r2": "speculative"}.get(name, name)  # layerskip: the same drafting knobs, no adapters
             methods[name] = make_decoder(lm, mode, args.adapters, gate=args.gate, max_draft=args.draft,
-                                         threshold=args.threshold if name == "m2r2" else 0.0,
-                                         draft_vocab=args.draft_vocab if name == "m2r2" else None)
+                                         threshold=args.threshold if name in ("m2r2", "layerskip") else 0.0,
+                                         draft_vocab=args.draft_vocab if name in ("m2r2", "layerskip") else 0)
     return methods
 
 

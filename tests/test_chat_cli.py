@@ -41,7 +41,7 @@ def test_draft_and_verify_modes_answer_like_plain():
 @pytest.mark.parametrize("extra, message", [
     (["--gate", "7"], "not one of the adapters' gates"),
     (["--threshold", "2"], "--threshold must be in [0, 1]"),
-    (["--draft-vocab", "0"], "--draft-vocab must be at least 1"),
+    (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
     (["--adapters", "/no/such/dir"], "not found"),
 ])
 def test_speculative_mode_bad_input(extra, message):

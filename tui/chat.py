@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.decoders import MODE_HELP, MODES
+from m2r2_mlx.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.registry import ALIASES, DEFAULT_MODEL
 
@@ -25,11 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)")
     p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones for the embedded model)")
     p.add_argument("--gate", type=int, default=None, help="exit layer that drafts come from (default: the adapters' first gate)")
-    p.add_argument("--draft", type=int, default=6, help="most drafted tokens per verification step (default: 6)")
-    p.add_argument("--threshold", type=float, default=0.0,
-                   help="stop drafting when a draft's probability falls below this (default: 0 = never)")
+    p.add_argument("--draft", type=int, default=DEFAULT_DRAFT,
+                   help=f"most drafted tokens per verification step (default: {DEFAULT_DRAFT})")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"stop drafting when a draft's probability falls below this (default: {DEFAULT_THRESHOLD}; 0 = never)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="score drafts over the model's N most frequent tokens only (needs draft_vocab.json)")
+                   help=f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} "
+                        "where the adapters have draft_vocab.json; 0 = the full LM head)")
     p.add_argument("--tau", type=float, default=0.9,
                    help="early-exit threshold: exit at the first gate whose exit score reaches it (default: 0.9)")
     p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
@@ -52,8 +54,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise M2R2Error(f"--tau must be in [0, 1] (above 1 never exits; got {args.tau})")
     if not 0 <= args.threshold <= 1:
         raise M2R2Error(f"--threshold must be in [0, 1] (got {args.threshold})")
-    if args.draft_vocab is not None and args.draft_vocab < 1:
-        raise M2R2Error(f"--draft-vocab must be at least 1 (got {args.draft_vocab})")
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise M2R2Error(f"--draft-vocab must be 0 (the full head) or a positive count (got {args.draft_vocab})")
     if not 0 < args.top_p <= 1:
         raise M2R2Error(f"--top-p must be in (0, 1] (got {args.top_p})")
 
