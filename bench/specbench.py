@@ -184,12 +184,13 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
     import numpy as np
 
     cats = categories + ["overall"]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in both panels
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     w = 0.8 / len(methods)
     x = np.arange(len(cats))
     for i, m in enumerate(methods):
         ax.bar(x + (i - (len(methods) - 1) / 2) * w, [summary.get((c, m), {}).get("speedup", 0) for c in cats], w,
-               label=LABELS[m])
+               label=LABELS[m], color=colors[m])
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(x, cats, rotation=30, ha="right")
     ax.set_ylabel("decode speedup over plain (same run)")
@@ -201,7 +202,7 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
             continue
         ks = sorted(hist)
         total = sum(hist.values())
-        ax2.plot(ks, [100 * hist[k] / total for k in ks], marker="o", label=LABELS[m])
+        ax2.plot(ks, [100 * hist[k] / total for k in ks], marker="o", label=LABELS[m], color=colors[m])
     ax2.set_xlabel("tokens per full-model step")
     ax2.set_ylabel("% of steps")
     ax2.set_title("acceptance lengths (all categories)", fontsize=10)
