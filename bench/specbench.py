@@ -80,26 +80,28 @@ def select_questions(path: Path, categories: str, limit: int | None) -> list[dic
     return out
 
 
-def make_methods(args, lm) -> dict:
-    from m2r2_mlx.decoders import make_decoder
-
-    from .peers import mlx_lm_decoder
-
+def method_names(args) -> list[str]:
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.draft_model and "mlx-lm-spec" not in names:
         names.append("mlx-lm-spec")
     bad = [m for m in names if m not in METHODS]
     if bad:
         raise M2R2Error(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
-    if "plain" not in names:
-        names.insert(0, "plain")  # every speedup is over plain decoding in the same run
+    if "mlx-lm-spec" in names and not args.draft_model:
+        raise M2R2Error("mlx-lm-spec needs --draft-model (a small model sharing the tokenizer)")
+    return names if "plain" in names else ["plain", *names]  # every speedup is over plain decoding in the same run
+
+
+def make_methods(args, lm, names: list[str]) -> dict:
+    from m2r2_mlx.decoders import make_decoder
+
+    from .peers import mlx_lm_decoder
+
     methods = {}
     for name in names:
         if name == "mlx-lm":
             methods[name] = mlx_lm_decoder(lm)
         elif name == "mlx-lm-spec":
-            if not args.draft_model:
-                raise M2R2Error("mlx-lm-spec needs --draft-model (a small model sharing the tokenizer)")
             from m2r2_mlx.registry import load_model
 
             methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft)
@@ -223,8 +225,9 @@ def _main() -> int:
     questions = select_questions(args.questions, args.categories, args.limit)
     if not questions:
         raise M2R2Error("no questions selected; check --categories and --limit")
+    names = method_names(args)
     lm = load_model(args.model)
-    methods = make_methods(args, lm)
+    methods = make_methods(args, lm, names)
     names = list(methods)
     print(f"{lm.name}: {len(questions)} questions, methods {', '.join(names)}; {blas_info().describe()}", file=sys.stderr)
 

@@ -1,0 +1,53 @@
+"""m2r2-bench end to end on two tiny questions: every method runs, lossless ones match plain, files land."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+EXE = shutil.which("m2r2-bench")
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write one sentence about the sea.", "Now about the sky."]},
+    {"question_id": 2, "category": "qa", "turns": ["What is the capital of France?"]},
+    {"question_id": 3, "category": "rag", "turns": ["Unused: not selected."]},
+]
+
+
+def _questions(tmp_path):
+    q = tmp_path / "question.jsonl"
+    q.write_text("\n".join(json.dumps(x) for x in QUESTIONS) + "\n")
+    return q
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_bench_runs_every_method_and_writes_its_files(tmp_path):
+    q = _questions(tmp_path)
+    out = tmp_path / "out"
+    r = subprocess.run([EXE, "--questions", str(q), "--categories", "writing,qa", "--max-tokens", "12",
+                        "--methods", "plain,mlx-lm,m2r2,layerskip,lookup", "--draft-model", "smollm2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    methods = ["plain", "mlx-lm", "m2r2", "layerskip", "lookup", "mlx-lm-spec"]
+    for m in methods:
+        rows = [json.loads(line) for line in (out / f"{m}.jsonl").read_text().splitlines()]
+        assert [x["question_id"] for x in rows] == [1, 2]
+        assert [len(x["choices"][0]["turns"]) for x in rows] == [2, 1]  # both turns of a two-turn question
+    table = (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
+    overall = [line for line in table.splitlines() if line.startswith("| overall")]
+    assert len(overall) == len(methods)
+    assert all(line.rstrip(" |").endswith("2/2") for line in overall)  # every method's answers equal plain greedy's
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+@pytest.mark.parametrize("args, message", [
+    (["--categories", "poetry"], "unknown categories"),
+    (["--methods", "plain,warp"], "unknown methods"),
+    (["--methods", "mlx-lm-spec"], "needs --draft-model"),
+    (["--questions", "/no/such.jsonl"], "not found"),
+])
+def test_bench_bad_input_is_one_line(tmp_path, args, message):
+    r = subprocess.run([EXE, "--questions", str(_questions(tmp_path)), *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
