@@ -1,0 +1,332 @@
+"""The memory-budgeted expert cache: fixed slots per MoE layer, filled and evicted on demand.
+
+Each MoE layer gets ``S`` slots. A slot tensor per expert parameter has shape
+``(S, *expert_shape)`` and never changes shape: loading an expert writes into one slot in
+place, and the router's expert ids are remapped to slot ids (``slot_map``) before the
+gathered matmul. So the model's compute graph is the same whatever is resident, and the
+memory held is exactly the budget.
+
+Threading: MLX arrays are only touched from the forward (compute) thread. A background
+``Prefetcher`` only reads bytes from the store (and waits on the link); its finished numpy
+buffers are copied into slots by the compute thread at the next ``ensure``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import M2R2Error
+from .link import Link
+from .policies import make_policy
+from .stats import CacheStats
+from .store import ExpertStore, mlx_dtype
+
+Listener = Callable[[int, mx.array], None]
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_budget(budget: float | int | str) -> tuple[str, float]:
+    """("fraction", f) or ("bytes", n) from 0.5 / "50%" (fractions of all experts) or 2_000_000 / "2GB" / "1.5GiB".
+
+    A float is a fraction, an int a byte count; in a string a bare number up to 1 is a fraction.
+    """
+    bad = M2R2Error(f"expert budget {budget!r} is not a fraction of the experts (0.5 or 50%) or a size (2GB, 512MiB)")
+    if isinstance(budget, bool):
+        raise bad
+    if isinstance(budget, str):
+        text = budget.strip()
+        try:
+            if text.endswith("%"):
+                kind, value = "fraction", float(text[:-1]) / 100
+            elif (m := _SIZE.match(text)) is not None:
+                unit = m.group(2).lower().rstrip("b") or "b"
+                kind, value = "bytes", float(m.group(1)) * _UNITS[unit]
+            else:
+                value = float(text)
+                kind = "fraction" if value <= 1 else "bytes"
+        except ValueError:
+            raise bad from None
+    elif isinstance(budget, float):
+        kind, value = "fraction", budget
+    elif isinstance(budget, int):
+        kind, value = "bytes", budget
+    else:
+        raise bad
+    if not value > 0 or (kind == "fraction" and value > 1):
+        raise M2R2Error(f"expert budget {budget!r} must be above 0 and at most 100% of the experts")
+    return kind, value
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return ""
+
+
+def resolve_slots(budget: float | int | str, store: ExpertStore) -> dict[int, int]:
+    """Slots per MoE layer for a budget, spread evenly over layers; refuses budgets below top-k."""
+    kind, value = parse_budget(budget)
+    layers = store.layers
+    row = sum(store.expert_bytes(l) for l in layers)  # one slot in every layer
+    if kind == "fraction":  # the epsilon keeps exact fractions exact (12.5% of 64 experts = 8 slots)
+        slots = {l: min(store.num_experts(l), int(value * store.num_experts(l) + 1e-9)) for l in layers}
+    else:
+        slots = {l: min(store.num_experts(l), int(value // row)) for l in layers}
+    need = {l: store.top_k(l) or 1 for l in layers}
+    short = [l for l in layers if slots[l] < need[l]]
+    if short:
+        l = short[0]
+        min_fraction = max(need[l] / store.num_experts(l) for l in layers)
+        min_bytes = max(need.values()) * row
+        raise M2R2Error(
+            f"expert budget {budget!r} holds {slots[l]} of {store.num_experts(l)} experts in layer {l}, but each "
+            f"token is routed to {need[l]}: the minimum is {min_fraction:.1%} of the experts "
+            f"({min_bytes} bytes, {_human(min_bytes)})")
+    return slots
+
+
+class ExpertCache:
+    """Experts of every MoE layer in fixed slots within a byte budget; see the module docstring."""
+
+    def __init__(self, store: ExpertStore, budget: float | int | str = 1.0, *, policy: str = "lru",
+                 link: Link | None = None):
+        self.store = store
+        self.link = link or Link()
+        self.policy_name = policy
+        self.layers: list[int] = store.layers
+        self._ordinal = {l: i for i, l in enumerate(self.layers)}
+        self.slots_per_layer = resolve_slots(budget, store)
+        self.budget = budget
+        self.policies = {l: make_policy(policy) for l in self.layers}
+        self.slots: dict[int, dict[str, mx.array]] = {
+            l: {p["name"]: mx.zeros((self.slots_per_layer[l], *p["shape"]), dtype=mlx_dtype(p["dtype"]))
+                for p in store.params(l)}
+            for l in self.layers}
+        self._owner = {l: np.full(self.slots_per_layer[l], -1, np.int64) for l in self.layers}  # slot -> expert
+        self._slot_of = {l: np.full(store.num_experts(l), -1, np.int32) for l in self.layers}  # expert -> slot
+        self._maps: dict[int, mx.array] = {}
+        self._dirty: set[int] = set()
+        self._unused_prefetch: dict[int, set[int]] = {l: set() for l in self.layers}
+        self._protected: tuple[int | None, set[int]] = (None, set())
+        self._predictions: dict[tuple[int, int], set[int]] = {}
+        self.routers: dict[int, Callable[[mx.array], mx.array]] = {}  # filled by offload_experts
+        self.listeners: list[Listener] = []
+        self.prefetcher = None  # a Prefetcher registers itself here
+        self.stats = CacheStats()
+        self.trace: dict[tuple[int, int], list[int]] | None = None  # set to {} to record experts used per (step, layer)
+        self.step = -1
+        self.position = (-1, -1)  # (step, MoE layer ordinal) the forward pass has reached
+        self._warm_fill()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def num_experts(self, layer: int) -> int:
+        return self.store.num_experts(layer)
+
+    def top_k(self, layer: int) -> int | None:
+        return self.store.top_k(layer)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.slots_per_layer[l] * self.store.expert_bytes(l) for l in self.layers)
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return bool(self._slot_of[layer][expert] >= 0)
+
+    def resident(self, layer: int) -> list[int]:
+        return sorted(int(e) for e in self._owner[layer] if e >= 0)
+
+    def slot_map(self, layer: int) -> mx.array:
+        """expert id -> slot id (int32, one entry per expert; non-resident experts map to 0, never read)."""
+        if layer not in self._maps:
+            self._maps[layer] = mx.array(np.maximum(self._slot_of[layer], 0))
+        return self._maps[layer]
+
+    def next_layers(self, layer: int, n: int = 1) -> list[int]:
+        """The ``n`` MoE layers after ``layer``."""
+        i = self._ordinal[layer]
+        return self.layers[i + 1: i + 1 + n]
+
+    def is_stale(self, step: int, layer: int) -> bool:
+        """Whether the forward pass has already gone past ``layer`` at ``step`` (safe from any thread)."""
+        return (step, self._ordinal[layer]) < self.position
+
+    def describe(self) -> str:
+        s = sorted(set(self.slots_per_layer.values()))
+        e = sorted({self.num_experts(l) for l in self.layers})
+        return (f"experts: budget {self.budget!r}, {'/'.join(map(str, s))} of {'/'.join(map(str, e))} per layer "
+                f"({_human(self.resident_bytes)}), {self.policy_name}, {self.link!r}")
+
+    # -- the forward pass ------------------------------------------------------------------
+
+    def begin_layer(self, layer: int, x: mx.array, experts: Iterable[int]) -> list[list[int]]:
+        """Before a layer computes its experts: count the step, run listeners, score predictions.
+
+        ``x`` is the MoE block's input, (tokens, D). Returns the experts split into rounds of at
+        most S (one round unless a long prompt needs more distinct experts than the layer has slots).
+        """
+        needed = sorted({int(e) for e in experts})
+        if layer == self.layers[0]:
+            self.step += 1
+            self.stats.steps += 1
+            self.stats.tokens += x.shape[0]
+            self._predictions = {k: v for k, v in self._predictions.items() if k[0] >= self.step}
+        self.position = (self.step, self._ordinal[layer])
+        for listener in list(self.listeners):
+            listener(layer, x)
+        predicted = self._predictions.pop((self.step, layer), None)
+        if predicted is not None:
+            st = self.stats.layer(layer)
+            st.predicted += len(predicted)
+            st.predicted_used += len(predicted.intersection(needed))
+            st.used_when_predicted += len(needed)
+        if self.trace is not None:
+            self.trace[(self.step, layer)] = needed
+        s = self.slots_per_layer[layer]
+        if len(needed) <= s:
+            return [needed]
+        needed.sort(key=lambda e: not self.is_resident(layer, e))  # resident experts first: fewer loads
+        return [needed[i: i + s] for i in range(0, len(needed), s)]
+
+    def ensure(self, layer: int, experts: Iterable[int]) -> None:
+        """Make ``experts`` (at most S of them) resident in ``layer``; never evicts one of them."""
+        needed = list(dict.fromkeys(int(e) for e in experts))
+        if len(needed) > self.slots_per_layer[layer]:
+            raise ValueError(f"{len(needed)} experts asked for at once, layer {layer} has {self.slots_per_layer[layer]} slots")
+        start = time.perf_counter()
+        st = self.stats.layer(layer)
+        self._protected = (layer, set(needed))
+        try:
+            if self.prefetcher is not None:
+                missing = [e for e in needed if not self.is_resident(layer, e)]
+                arrived, late, dropped = self.prefetcher.collect(layer, missing)
+                st.late_prefetches += late
+                self.stats.prefetch_dropped += dropped
+                for l, e, arrays in arrived:
+                    self._land(l, e, arrays)
+            for e in needed:
+                if self.is_resident(layer, e):
+                    st.hits += 1
+                    if e in self._unused_prefetch[layer]:
+                        self._unused_prefetch[layer].discard(e)
+                        st.prefetch_hits += 1
+                else:
+                    st.misses += 1
+                    st.bytes_on_demand += self.store.expert_bytes(layer)
+                    self._install(layer, e, self.fetch(layer, e))
+                self.policies[layer].used(e)
+        finally:
+            self._protected = (None, set())
+        if self._dirty:
+            self._flush()
+            self.stats.stall_s += time.perf_counter() - start
+
+    # -- predictions and prefetching -------------------------------------------------------
+
+    def prefetch(self, layer: int, experts: Iterable[int], step: int | None = None) -> None:
+        """Predict that ``layer`` will use ``experts`` at ``step`` (default: the current one) and bring them in.
+
+        The prediction is scored against the experts really used (precision/recall). Loads go
+        to the background ``Prefetcher`` if one is attached, else happen now (and stall).
+        At most S experts per request are loaded (more could not all stay resident).
+        """
+        step = self.step if step is None else step
+        experts = list(dict.fromkeys(int(e) for e in experts))
+        self._predictions.setdefault((step, layer), set()).update(experts)
+        wanted = [e for e in experts if not self.is_resident(layer, e)][: self.slots_per_layer[layer]]
+        if not wanted:
+            return
+        if self.prefetcher is not None:
+            self.prefetcher.submit(step, layer, wanted)
+            return
+        start = time.perf_counter()
+        for e in wanted:
+            self._land(layer, e, self.fetch(layer, e))
+        self._flush()
+        self.stats.stall_s += time.perf_counter() - start
+
+    def fetch(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """Read one expert over the link (verified bytes, numpy). Safe from any thread: no MLX here."""
+        with self.link.transfer(self.store.expert_bytes(layer)):
+            return self.store.read(layer, expert)
+
+    def add_listener(self, listener: Listener) -> None:
+        """``listener(layer, x)`` runs before each MoE layer computes its experts (x: (tokens, D))."""
+        self.listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self.listeners.remove(listener)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start a new measurement: zero the stats and the step count (resident experts stay)."""
+        self.stats.reset()
+        self.step, self.position = -1, (-1, -1)
+        self._predictions.clear()
+        for unused in self._unused_prefetch.values():
+            unused.clear()
+        if self.trace is not None:
+            self.trace = {}
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def _warm_fill(self) -> None:
+        """Fill every slot before the first token (experts 0..S-1), uncounted and without the link."""
+        for l in self.layers:
+            for e in range(self.slots_per_layer[l]):
+                self._install(l, e, self.store.read(l, e))
+        self._flush()
+
+    def _land(self, layer: int, expert: int, arrays: dict[str, np.ndarray]) -> None:
+        """A prefetched expert arrived: count it, install it unless it is already there."""
+        st = self.stats.layer(layer)
+        st.prefetch_loads += 1
+        st.prefetch_bytes += self.store.expert_bytes(layer)
+        if self.is_resident(layer, expert) or not self._install(layer, expert, arrays, prefetched=True):
+            st.prefetch_wasted += 1
+
+    def _install(self, layer: int, expert: int, arrays: dict[str, np.ndarray], prefetched: bool = False) -> bool:
+        """Write an expert into a free slot, or the policy's victim's; False if every slot is protected."""
+        owner, slot_of = self._owner[layer], self._slot_of[layer]
+        free = np.flatnonzero(owner < 0)
+        if free.size:
+            slot = int(free[0])
+        else:
+            protected = self._protected[1] if self._protected[0] == layer else set()
+            candidates = [int(e) for e in owner if e not in protected]
+            if not candidates:
+                return False
+            victim = self.policies[layer].victim(candidates)
+            slot = int(slot_of[victim])
+            slot_of[victim] = -1
+            if victim in self._unused_prefetch[layer]:
+                self._unused_prefetch[layer].discard(victim)
+                self.stats.layer(layer).prefetch_wasted += 1
+        slots = self.slots[layer]
+        for name, a in self.store.to_mlx(layer, arrays).items():
+            slots[name][slot] = a  # in place: the slot tensor keeps its shape and its buffer
+        owner[slot], slot_of[expert] = expert, slot
+        self.policies[layer].inserted(expert)
+        if prefetched:
+            self._unused_prefetch[layer].add(expert)
+        self._dirty.add(layer)
+        return True
+
+    def _flush(self) -> None:
+        """Run the pending slot writes now (so their cost lands in stall time) and refresh the maps."""
+        mx.eval([a for l in self._dirty for a in self.slots[l].values()])
+        for l in self._dirty:
+            self._maps.pop(l, None)
+        self._dirty.clear()
