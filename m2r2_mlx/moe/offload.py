@@ -10,7 +10,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import M2R2Error
-from .blocks import expert_params, moe_blocks, router
+from .blocks import expert_params, module_path, moe_blocks, router
 from .cache import ExpertCache
 from .link import Link
 from .store import ExpertStore, mlx_dtype
@@ -62,10 +62,14 @@ class CachedSwitchGLU(nn.Module):
         return mx.concatenate(outputs)[mx.array(inverse)]
 
 
-def _check_matches(store: ExpertStore, layer: int, params: dict[str, mx.array]) -> None:
-    """The store must hold this model's experts: same layers, names, shapes and dtypes."""
-    have = {name: (list(a.shape[1:]), a.dtype) for name, a in params.items()}
-    want = {p["name"]: (p["shape"], mlx_dtype(p["dtype"])) for p in store.params(layer)}
+def _check_matches(store: ExpertStore, layer: int, prefix: str, params: dict[str, mx.array]) -> None:
+    """The store must hold this model's experts: same layers, weight names, shapes and dtypes.
+
+    (Weights of another checkpoint of the same architecture pass; telling them apart would
+    mean reading the model's experts, which an offloaded model is meant never to do.)
+    """
+    have = {f"{prefix}.{name}": (list(a.shape[1:]), a.dtype) for name, a in params.items()}
+    want = {f"{store.prefix(layer)}.{p['name']}": (p["shape"], mlx_dtype(p["dtype"])) for p in store.params(layer)}
     num = next(iter(params.values())).shape[0]
     if have != want or num != store.num_experts(layer):
         raise M2R2Error(f"the expert store in {store.folder} does not match this model at layer {layer} "
@@ -88,7 +92,7 @@ def offload_experts(model, store: ExpertStore | str | Path, budget: float | int 
         raise M2R2Error(f"the expert store in {store.folder} has MoE layers {store.layers}, this model "
                         f"{[i for i, _ in blocks]}; export it from this model")
     for i, block in blocks:
-        _check_matches(store, i, expert_params(block.switch_mlp))
+        _check_matches(store, i, module_path(model, block.switch_mlp), expert_params(block.switch_mlp))
     cache = ExpertCache(store, budget, policy=policy, link=link)
     for i, block in blocks:
         inner = block.switch_mlp

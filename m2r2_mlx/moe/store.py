@@ -195,6 +195,10 @@ class ExpertStore:
     def top_k(self, layer: int) -> int | None:
         return self._layers[layer]["top_k"]
 
+    def prefix(self, layer: int) -> str:
+        """The upstream name of the layer's SwitchGLU (``model.layers.3.mlp.switch_mlp``)."""
+        return self._layers[layer]["prefix"]
+
     def params(self, layer: int) -> list[dict]:
         """One expert's tensors: ``[{"name", "shape", "dtype"}]`` in file order."""
         return self._layers[layer]["params"]

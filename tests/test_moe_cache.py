@@ -1,0 +1,287 @@
+"""The MoE expert cache on tiny random olmoe and mixtral models: exact outputs, budgets, integrity."""
+
+import json
+import shutil
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.moe import (ExpertStore, Link, Oracle, PreGating, Prefetcher, ShuffledControl, make_policy,
+                          moe_blocks, offload_experts, parse_budget)
+from m2r2_mlx.moe.__main__ import main as moe_cli
+from tests.tiny import tiny_model
+
+PROMPT = list(range(3, 23))  # 20 tokens: the prompt needs more distinct experts than a 25% budget has slots
+ARCHS = {"olmoe": {}, "mixtral": {"num_local_experts": 8}}  # 8 experts, top-2 in both
+
+
+def greedy(model, prompt=PROMPT, n=10):
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt)[None], cache=cache)
+    out = [int(mx.argmax(logits[0, -1]).item())]
+    while len(out) < n:
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+    return out
+
+
+def fresh(arch):
+    return tiny_model(arch, **ARCHS[arch]).model
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """arch -> (store, greedy tokens of the all-resident model)."""
+    out = {}
+    for arch in ARCHS:
+        model = fresh(arch)
+        out[arch] = ExpertStore.export(model, tmp_path_factory.mktemp(arch) / "experts"), greedy(model)
+    return out
+
+
+def offloaded(arch, stores, budget, **kw):
+    model = fresh(arch)
+    return model, offload_experts(model, stores[arch][0], budget, **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_tokens_identical_to_all_resident_at_every_budget(stores, arch, policy):
+    reference = stores[arch][1]
+    for budget, slots in [(1.0, 8), (0.5, 4), (0.25, 2)]:
+        model, cache = offloaded(arch, stores, budget, policy=policy)
+        assert set(cache.slots_per_layer.values()) == {slots}
+        assert greedy(model) == reference, (budget, policy)
+        # 100% is everything resident (no loads after the warm start); smaller budgets really load
+        assert (cache.stats.misses == 0) == (budget == 1.0)
+        assert cache.stats.hits > 0
+
+
+def test_logits_bitwise_equal_with_prompt_split_into_rounds(stores):
+    ref_model = fresh("olmoe")
+    model, cache = offloaded("olmoe", stores, 0.25)
+    x = mx.array(PROMPT)[None]
+    assert mx.array_equal(model(x), ref_model(x)).item()
+    assert cache.stats.misses > 0  # 20 tokens x top-2 > 2 slots: the layer ran in rounds
+
+
+def test_slot_tensors_keep_their_shape_and_are_the_models_weights(stores):
+    model, cache = offloaded("olmoe", stores, 0.25)
+    shapes = {(l, n): a.shape for l in cache.layers for n, a in cache.slots[l].items()}
+    greedy(model)
+    assert cache.stats.misses > 0
+    for l, block in moe_blocks(model):
+        params = dict(tree_flatten(block.switch_mlp.inner.parameters()))
+        for name, a in cache.slots[l].items():
+            assert a.shape == shapes[(l, name)] == (2, *a.shape[1:])
+            assert params[name] is a  # the gathered matmul reads the cache's slots, not a copy
+    # the model no longer holds all experts: its expert memory is the budget
+    held = sum(a.nbytes for _, b in moe_blocks(model) for _, a in tree_flatten(b.switch_mlp.parameters()))
+    assert held == cache.resident_bytes == 6 * 2 * stores["olmoe"][0].expert_bytes()
+
+
+def test_budget_below_top_k_is_refused_naming_the_minimum(stores):
+    store = stores["olmoe"][0]
+    min_bytes = 2 * 6 * store.expert_bytes()
+    for budget in (0.2, "12.5%", min_bytes - 1):
+        with pytest.raises(M2R2Error, match=rf"minimum is 25\.0% of the experts \({min_bytes} bytes"):
+            offload_experts(fresh("olmoe"), store, budget)
+    assert offload_experts(fresh("olmoe"), store, min_bytes).slots_per_layer[0] == 2
+    for bad in ("lots", 1.5, 0.0, -3, True):
+        with pytest.raises(M2R2Error, match="expert budget"):
+            parse_budget(bad)
+    assert parse_budget("50%") == ("fraction", 0.5)
+    assert parse_budget("2GB") == ("bytes", 2e9)
+    assert parse_budget("512MiB") == ("bytes", 512 * 2**20)
+
+
+def _copy(store, tmp_path):
+    return shutil.copytree(store.folder, tmp_path / "experts")
+
+
+def test_truncated_expert_file_is_refused_at_open(stores, tmp_path):
+    folder = _copy(stores["olmoe"][0], tmp_path)
+    path = folder / "layer_002.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(M2R2Error, match=r"layer_002\.safetensors is \d+ bytes.*truncated.*re-export"):
+        ExpertStore.open(folder)
+
+
+def test_flipped_byte_is_detected_before_use(stores, tmp_path):
+    folder = _copy(stores["olmoe"][0], tmp_path)
+    entry = json.loads((folder / "experts.json").read_text())["layers"][0]
+    offset = entry["experts"][5]["offset"] + 1234
+    data = bytearray((folder / entry["file"]).read_bytes())
+    data[offset] ^= 0x01
+    (folder / entry["file"]).write_bytes(bytes(data))
+    store = ExpertStore.open(folder)  # sizes and header are intact: only the read can tell
+    store.read(0, 4)
+    with pytest.raises(M2R2Error, match="expert 5 of layer 0 .* fails its checksum"):
+        store.read(0, 5)
+    _, cache = offloaded("olmoe", {"olmoe": (store, None)}, 0.25)  # warm start holds experts 0 and 1
+    with pytest.raises(M2R2Error, match="expert 5 of layer 0"):
+        cache.ensure(0, [5])
+    assert not cache.is_resident(0, 5)
+    with Prefetcher(cache):  # a damaged prefetch surfaces in the forward pass, not in the thread
+        cache.prefetch(0, [5], step=cache.step + 1)
+        with pytest.raises(M2R2Error, match="expert 5 of layer 0"):
+            cache.ensure(0, [5])
+    assert not cache.is_resident(0, 5)
+
+
+def test_altered_header_and_missing_manifest_are_refused(stores, tmp_path):
+    folder = _copy(stores["olmoe"][0], tmp_path)
+    path = folder / "layer_001.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"shape":[96,64]', b'"shape":[64,96]', 1))
+    with pytest.raises(M2R2Error, match=r"layer_001\.safetensors has a header that does not match"):
+        ExpertStore.open(folder)
+    (folder / "experts.json").unlink()
+    with pytest.raises(M2R2Error, match="no expert store .* export one first"):
+        ExpertStore.open(folder)
+
+
+def test_lru_and_lfu_evict_the_expected_expert(stores):
+    survivors = {}
+    for policy in ("lru", "lfu"):
+        _, cache = offloaded("olmoe", stores, 0.25, policy=policy)
+        assert cache.resident(0) == [0, 1]
+        for experts in ([0], [0], [0], [1], [2]):  # 0 is the most used, 1 the most recent
+            cache.ensure(0, experts)
+        survivors[policy] = cache.resident(0)
+        assert cache.stats.layer(0).misses == 1
+    assert survivors == {"lru": [1, 2], "lfu": [0, 2]}
+    lfu = make_policy("LFU")
+    for e in (7, 7, 3):
+        lfu.used(e)
+    lfu.inserted(9)  # a fresh load has no uses yet: the first to go
+    assert lfu.victim([7, 3, 9]) == 9
+    with pytest.raises(M2R2Error, match="unknown eviction policy 'fifo'; choose one of: lru, lfu"):
+        make_policy("fifo")
+
+
+def test_bytes_moved_equal_misses_times_expert_bytes(stores):
+    model, cache = offloaded("mixtral", stores, 0.5)
+    greedy(model)
+    s = cache.stats
+    expert = stores["mixtral"][0].expert_bytes()
+    assert s.misses > 0 and s.bytes_moved == s.misses * expert == cache.link.bytes
+    assert all(l.bytes_on_demand == l.misses * expert for l in s.layers.values())
+    assert s.tokens == len(PROMPT) + 9 and s.steps == 10
+    assert s.bytes_per_token == pytest.approx(s.bytes_moved / s.tokens)
+    assert s.summary()["layers"][3]["misses"] == s.layers[3].misses
+    s.reset()
+    assert s.hits == s.misses == s.bytes_moved == s.tokens == 0 and s.stall_s == 0
+
+
+def test_throttled_link_makes_transfers_at_least_bytes_over_bandwidth(stores):
+    link = Link(gb_per_s=0.01, latency_ms=2)  # 10 MB/s
+    assert link.min_seconds(50_000) == pytest.approx(0.007)
+    start = time.perf_counter()
+    with link.transfer(50_000):
+        pass
+    assert time.perf_counter() - start >= 0.007
+    model, cache = offloaded("olmoe", stores, 0.5, link=Link(gb_per_s=0.5, latency_ms=1))
+    greedy(model, n=3)
+    per_load = cache.link.min_seconds(stores["olmoe"][0].expert_bytes())
+    assert cache.stats.misses > 0 and cache.stats.stall_s >= cache.stats.misses * per_load
+    assert cache.link.busy_s >= cache.link.transfers * per_load
+    for bad in ({"gb_per_s": 0}, {"latency_ms": -1}):
+        with pytest.raises(M2R2Error, match="link"):
+            Link(**bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_routers_pick_the_experts_the_blocks_use(stores, arch):
+    model, cache = offloaded(arch, stores, 1.0)
+    cache.trace, routed = {}, {}
+
+    def record(layer, x):
+        routed[(cache.step, layer)] = sorted(set(np.array(cache.routers[layer](x)).reshape(-1).tolist()))
+
+    cache.add_listener(record)
+    greedy(model, n=4)
+    assert routed == cache.trace and len(routed) == 4 * 6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_background_pregating_is_exact_and_prefetches_what_is_used(stores, arch):
+    model, cache = offloaded(arch, stores, 0.5, link=Link(gb_per_s=1.0))
+    with Prefetcher(cache):
+        PreGating().attach(cache)
+        assert greedy(model) == stores[arch][1]
+    s = cache.stats
+    assert s.total("prefetch_hits") > 0 and s.total("prefetch_loads") > 0
+    assert s.total("prefetch_bytes") == s.total("prefetch_loads") * stores[arch][0].expert_bytes()
+    assert 0 < s.precision <= 1 and 0 < s.recall <= 1
+    assert 0 not in {l for l, st in s.layers.items() if st.predicted}  # nothing comes before the first layer
+
+
+def _recall(predictor, stores, trace=None):
+    model, cache = offloaded("olmoe", stores, 0.5)
+    if trace is not None:
+        cache.trace = trace
+    predictor.attach(cache)
+    greedy(model)
+    return cache.stats
+
+
+def test_shuffled_control_recalls_less_than_pregating_and_the_oracle(stores):
+    trace = {}
+    _recall(PreGating(), stores, trace)  # any run records the experts used; greedy decoding repeats them
+    oracle = _recall(Oracle(dict(trace)), stores)
+    pregating = _recall(PreGating(), stores)
+    shuffled = _recall(ShuffledControl(seed=0), stores)
+    assert oracle.recall == oracle.precision == 1.0
+    assert oracle.misses < pregating.misses
+    assert shuffled.recall < pregating.recall < oracle.recall
+    assert shuffled.total("predicted") == pregating.total("predicted")  # the same number of experts
+
+
+def test_quantized_experts_are_served_exactly(tmp_path):
+    def quantized():
+        model = fresh("olmoe")
+        nn.quantize(model, group_size=32, bits=4)
+        return model
+
+    reference = quantized()
+    store = ExpertStore.export(reference, tmp_path / "q")
+    assert {p["name"] for p in store.params(0)} >= {"gate_proj.scales", "down_proj.biases"}
+    model = quantized()
+    offload_experts(model, store, 0.25)
+    assert greedy(model) == greedy(reference)
+
+
+def test_store_must_match_the_model(stores, tmp_path):
+    with pytest.raises(M2R2Error, match="does not match this model"):
+        offload_experts(fresh("mixtral"), stores["olmoe"][0], 1.0)
+    model, _ = offloaded("olmoe", stores, 1.0)
+    with pytest.raises(M2R2Error, match="already offloaded"):
+        offload_experts(model, stores["olmoe"][0], 1.0)
+    with pytest.raises(M2R2Error, match="no SwitchGLU mixture-of-experts layers"):
+        ExpertStore.export(tiny_model("llama").model, tmp_path / "dense")
+    with pytest.raises(M2R2Error, match="already exists; pass force=True"):
+        ExpertStore.export(fresh("olmoe"), stores["olmoe"][0].folder)
+
+
+def test_cli_exports_and_verifies_a_model_folder(tmp_path, capsys):
+    lm = tiny_model("olmoe")
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(lm.config))
+    out = tmp_path / "experts"
+    assert moe_cli(["export", "--model", str(tmp_path), "-o", str(out)]) == 0
+    assert moe_cli(["verify", str(out)]) == 0
+    assert "6 MoE layers, 48 experts" in capsys.readouterr().out
+    path = out / "layer_005.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert moe_cli(["verify", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m m2r2_mlx.moe: error: expert 7 of layer 5") and "\n" not in err
