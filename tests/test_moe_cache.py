@@ -64,11 +64,12 @@ def test_tokens_identical_to_all_resident_at_every_budget(stores, arch, policy):
 
 
 def test_logits_bitwise_equal_with_prompt_split_into_rounds(stores):
-    ref_model = fresh("olmoe")
-    model, cache = offloaded("olmoe", stores, 0.25)
-    x = mx.array(PROMPT)[None]
-    assert mx.array_equal(model(x), ref_model(x)).item()
-    assert cache.stats.misses > 0  # 20 tokens x top-2 > 2 slots: the layer ran in rounds
+    x = mx.array([list(range(3, 83))])  # 80 tokens: 160 (token, expert) pairs take mlx-lm's sorted path
+    reference = fresh("olmoe")(x)
+    for budget in (1.0, 0.5, 0.25):
+        model, cache = offloaded("olmoe", stores, budget)
+        assert mx.array_equal(model(x), reference).item(), budget
+        assert len(cache.begin_layer(0, mx.zeros((80, 64)), range(8))) == 8 // cache.slots_per_layer[0]
 
 
 def test_slot_tensors_keep_their_shape_and_are_the_models_weights(stores):
@@ -221,6 +222,17 @@ def test_background_pregating_is_exact_and_prefetches_what_is_used(stores, arch)
     assert s.total("prefetch_bytes") == s.total("prefetch_loads") * stores[arch][0].expert_bytes()
     assert 0 < s.precision <= 1 and 0 < s.recall <= 1
     assert 0 not in {l for l, st in s.layers.items() if st.predicted}  # nothing comes before the first layer
+
+
+def test_side_pass_loads_count_as_prefetches(stores):
+    model, cache = offloaded("olmoe", stores, 0.25)
+    with cache.side_pass():
+        model(mx.array([[5]]))
+        cache.ensure(0, [6, 7])
+    s = cache.stats
+    assert s.steps == s.hits == s.misses == 0 and s.total("prefetch_loads") >= 2
+    cache.ensure(0, [6, 7])
+    assert s.hits == s.total("prefetch_hits") == 2 and s.misses == 0
 
 
 def _recall(predictor, stores, trace=None):

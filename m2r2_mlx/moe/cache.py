@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable, Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -125,6 +126,7 @@ class ExpertCache:
         self.trace: dict[tuple[int, int], list[int]] | None = None  # set to {} to record experts used per (step, layer)
         self.step = -1
         self.position = (-1, -1)  # (step, MoE layer ordinal) the forward pass has reached
+        self._side = False
         self._warm_fill()
 
     # -- state -----------------------------------------------------------------------------
@@ -175,6 +177,8 @@ class ExpertCache:
         most S (one round unless a long prompt needs more distinct experts than the layer has slots).
         """
         needed = sorted({int(e) for e in experts})
+        if self._side:
+            return self._rounds(layer, needed)
         if layer == self.layers[0]:
             self.step += 1
             self.stats.steps += 1
@@ -191,6 +195,9 @@ class ExpertCache:
             st.used_when_predicted += len(needed)
         if self.trace is not None:
             self.trace[(self.step, layer)] = needed
+        return self._rounds(layer, needed)
+
+    def _rounds(self, layer: int, needed: list[int]) -> list[list[int]]:
         s = self.slots_per_layer[layer]
         if len(needed) <= s:
             return [needed]
@@ -214,6 +221,10 @@ class ExpertCache:
                 for l, e, arrays in arrived:
                     self._land(l, e, arrays)
             for e in needed:
+                if self._side:  # the fast stream pulling experts in ahead: a prefetch, not a use
+                    if not self.is_resident(layer, e):
+                        self._land(layer, e, self.fetch(layer, e))
+                    continue
                 if self.is_resident(layer, e):
                     st.hits += 1
                     if e in self._unused_prefetch[layer]:
@@ -229,6 +240,19 @@ class ExpertCache:
         if self._dirty:
             self._flush()
             self.stats.stall_s += time.perf_counter() - start
+
+    @contextmanager
+    def side_pass(self) -> Iterator[None]:
+        """Forward passes that are not the model's own step (the M2R2 fast stream running ahead).
+
+        Their experts load like prefetches (a later use by the real pass is a prefetch hit);
+        they count no step, hit or miss, run no listeners and score no predictions.
+        """
+        self._side, before = True, self._side
+        try:
+            yield
+        finally:
+            self._side = before
 
     # -- predictions and prefetching -------------------------------------------------------
 
