@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import (ExpertStore, Link, Oracle, PreGating, Prefetcher, ShuffledControl, make_policy,
@@ -282,10 +283,24 @@ def test_store_must_match_the_model(stores, tmp_path):
         ExpertStore.export(fresh("olmoe"), stores["olmoe"][0].folder)
 
 
-def test_cli_exports_and_verifies_a_model_folder(tmp_path, capsys):
+def _model_folder(path):
     lm = tiny_model("olmoe")
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
-    (tmp_path / "config.json").write_text(json.dumps(lm.config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    (path / "config.json").write_text(json.dumps(lm.config))
+    return path
+
+
+def test_a_lazily_loaded_model_never_holds_more_experts_than_the_budget(stores, tmp_path):
+    model, _ = load_model(_model_folder(tmp_path), lazy=True)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    cache = offload_experts(model, stores["olmoe"][0], 0.25)
+    assert mx.get_peak_memory() <= cache.resident_bytes + 4096  # (a few bytes of small arrays)
+    assert cache.resident_bytes == 6 * 2 * stores["olmoe"][0].expert_bytes()  # of 6 * 8
+
+
+def test_cli_exports_and_verifies_a_model_folder(tmp_path, capsys):
+    _model_folder(tmp_path)
     out = tmp_path / "experts"
     assert moe_cli(["export", "--model", str(tmp_path), "-o", str(out)]) == 0
     assert moe_cli(["verify", str(out)]) == 0

@@ -25,7 +25,7 @@ from ..errors import M2R2Error
 from .link import Link
 from .policies import make_policy
 from .stats import CacheStats
-from .store import ExpertStore, mlx_dtype
+from .store import ExpertStore
 
 Listener = Callable[[int, mx.array], None]
 
@@ -108,10 +108,7 @@ class ExpertCache:
         self.slots_per_layer = resolve_slots(budget, store)
         self.budget = budget
         self.policies = {l: make_policy(policy) for l in self.layers}
-        self.slots: dict[int, dict[str, mx.array]] = {
-            l: {p["name"]: mx.zeros((self.slots_per_layer[l], *p["shape"]), dtype=mlx_dtype(p["dtype"]))
-                for p in store.params(l)}
-            for l in self.layers}
+        self.slots: dict[int, dict[str, mx.array]] = {}  # layer -> parameter name -> (S, ...) tensor
         self._owner = {l: np.full(self.slots_per_layer[l], -1, np.int64) for l in self.layers}  # slot -> expert
         self._slot_of = {l: np.full(store.num_experts(l), -1, np.int32) for l in self.layers}  # expert -> slot
         self._maps: dict[int, mx.array] = {}
@@ -307,11 +304,20 @@ class ExpertCache:
             self.prefetcher.close()
 
     def _warm_fill(self) -> None:
-        """Fill every slot before the first token (experts 0..S-1), uncounted and without the link."""
+        """Create each layer's slot tensors holding experts 0..S-1, uncounted and without the link.
+
+        Built from the stacked experts rather than zeros plus writes, so the peak is the budget.
+        """
         for l in self.layers:
-            for e in range(self.slots_per_layer[l]):
-                self._install(l, e, self.store.read(l, e))
-        self._flush()
+            s = self.slots_per_layer[l]
+            experts = [self.store.read(l, e) for e in range(s)]
+            names = [p["name"] for p in self.store.params(l)]
+            self.slots[l] = self.store.to_mlx(l, {n: np.stack([x[n] for x in experts]) for n in names})
+            mx.eval(list(self.slots[l].values()))
+            self._owner[l][:] = np.arange(s)
+            self._slot_of[l][:s] = np.arange(s)
+            for e in range(s):
+                self.policies[l].inserted(e)
 
     def _land(self, layer: int, expert: int, arrays: dict[str, np.ndarray]) -> None:
         """A prefetched expert arrived: count it, install it unless it is already there."""

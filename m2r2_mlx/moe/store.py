@@ -108,7 +108,7 @@ class ExpertStore:
     @staticmethod
     def export(model, folder: str | Path, *, force: bool = False) -> "ExpertStore":
         """Write every MoE layer's experts under ``folder`` (atomically) and open the result."""
-        folder = Path(folder)
+        folder = Path(folder).expanduser()
         blocks = moe_blocks(model)
         if not blocks:
             raise M2R2Error("this model has no SwitchGLU mixture-of-experts layers, so there are no experts to export")
@@ -131,7 +131,7 @@ class ExpertStore:
     @staticmethod
     def open(folder: str | Path) -> "ExpertStore":
         """Map a store's files; sizes and headers are checked now, expert bytes at each read."""
-        folder = Path(folder)
+        folder = Path(folder).expanduser()
         path = folder / MANIFEST
         if not path.is_file():
             raise M2R2Error(f"no expert store in {folder} ({MANIFEST} is missing); export one first "
