@@ -293,9 +293,10 @@ def _model_folder(path):
 def test_a_lazily_loaded_model_never_holds_more_experts_than_the_budget(stores, tmp_path):
     model, _ = load_model(_model_folder(tmp_path), lazy=True)
     mx.synchronize()
+    before = mx.get_active_memory()  # arrays of earlier tests may still be alive
     mx.reset_peak_memory()
     cache = offload_experts(model, stores["olmoe"][0], 0.25)
-    assert mx.get_peak_memory() <= cache.resident_bytes + 4096  # (a few bytes of small arrays)
+    assert mx.get_peak_memory() - before <= cache.resident_bytes + 4096  # (a few bytes of small arrays)
     assert cache.resident_bytes == 6 * 2 * stores["olmoe"][0].expert_bytes()  # of 6 * 8
 
 
