@@ -1,0 +1,132 @@
+"""M2R2 ahead-of-time expert prediction: the fast stream runs ahead in depth and tells the loader.
+
+When the slow stream of a decode step enters interval j = [g_(j-1), g_j), the fast stream
+restarts from the slow state there and runs the interval's layers with its adapters (as in
+drafting: the shared KV cache read through ``SlowKVView``, nothing stored). Its state at
+g_j approximates the final residual; fed to the routers of the layers of the *next*
+interval, it names their experts a whole interval before the slow stream gets there, and
+the background loader brings them in while the slow stream computes this interval.
+Pre-gating, the baseline, sees only one layer ahead.
+
+The fast stream's own MoE layers route among the experts already resident (the others'
+router logits are masked), so running ahead never loads or stalls, and it runs inside
+``cache.side_pass()`` so it counts no hits or misses. The slow stream is untouched: the
+tokens are the all-resident model's exactly.
+
+Measured on the tiny OLMoE (docs/moe_bench.md): the exit state predicts the next
+interval's routing better than the fast stream's intermediate states do, so only the
+exit state is used.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import M2R2Error
+from ..fast_stream import M2R2Model, SlowKVView
+from .blocks import moe_blocks
+from .cache import ExpertCache
+
+
+class _ResidentOnlyGate(nn.Module):
+    """A router restricted to the experts resident in the cache (fast stream only)."""
+
+    def __init__(self, gate: nn.Module, cache: ExpertCache, layer: int):
+        super().__init__()
+        self.gate, self.cache, self.layer = gate, cache, layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        resident = np.zeros(self.cache.num_experts(self.layer), dtype=bool)
+        resident[self.cache.resident(self.layer)] = True
+        return mx.where(mx.array(resident), self.gate(x), -1e9)
+
+
+class _GateTap(nn.Module):
+    """Wraps a decoder layer: remembers its KV cache and, at an interval start, calls the predictor first."""
+
+    def __init__(self, layer: nn.Module, index: int, predictor: "FastStreamPredictor"):
+        super().__init__()
+        self.layer, self.index, self.predictor = layer, index, predictor
+
+    def __call__(self, h, mask=None, cache=None):
+        if self.predictor.running:  # the fast stream itself passing through: nothing to record
+            return self.layer(h, mask, cache=cache)
+        self.predictor.caches[self.index] = cache
+        if self.index in self.predictor.starts and not self.predictor.running:
+            self.predictor.on_gate(self.index, h)
+        return self.layer(h, mask, cache=cache)
+
+
+class FastStreamPredictor:
+    """Predict each interval's experts from the previous interval's fast-stream exit."""
+
+    def __init__(self, m2r2: M2R2Model, top: int | None = None):
+        self.m2r2 = m2r2
+        self.parts = m2r2.parts
+        self.intervals = m2r2.config.intervals()
+        self.starts = {s: (s, g) for s, g in self.intervals}
+        self.top = top  # experts predicted per layer (default: the layer's top-k)
+        self.caches: dict[int, object] = {}
+        self.running = False
+        self.cache: ExpertCache | None = None
+        self.fast_layer_passes = 0
+
+    def attach(self, cache: ExpertCache) -> "FastStreamPredictor":
+        missing = [l for l in cache.layers if l not in cache.routers]
+        if missing:
+            raise M2R2Error(f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose")
+        self.cache = cache
+        self.blocks = dict(moe_blocks(self.parts.model))
+        layers = self.parts.layers
+        for i in range(len(layers)):
+            layers[i] = _GateTap(layers[i], i, self)
+        return self
+
+    def detach(self) -> None:
+        layers = self.parts.layers
+        for i in range(len(layers)):
+            if isinstance(layers[i], _GateTap):
+                layers[i] = layers[i].layer
+        self.cache = None
+
+    def targets(self, stop: int) -> list[int]:
+        """The layers of the interval after the one ending at ``stop`` (the last gate: up to the top)."""
+        nxt = [g for s, g in self.intervals if s == stop]
+        end = nxt[0] if nxt else self.parts.num_layers
+        return [l for l in range(stop, end) if l in self.cache.routers]
+
+    def on_gate(self, start: int, h: mx.array) -> None:
+        if h.shape[1] != 1 or any(self.caches.get(i) is None for i in range(*self.starts[start])):
+            return  # prompts load on demand; decode steps are what ahead-of-time loading is for
+        _, stop = self.starts[start]
+        self.running = True
+        try:
+            exit_state = self._run_fast(h, start, stop)
+        finally:
+            self.running = False
+        step = self.cache.step + (1 if start == 0 else 0)  # at layer 0 the cache has not counted this step yet
+        for t in self.targets(stop):
+            x = self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1)
+            logits = self.blocks[t].gate(x)
+            k = self.top or self.cache.top_k(t)
+            experts = np.argsort(-np.array(logits[0]), kind="stable")[:k]
+            self.cache.prefetch(t, [int(e) for e in experts], step)
+
+    def _run_fast(self, h: mx.array, start: int, stop: int) -> mx.array:
+        views = {i: SlowKVView(self.caches[i]) for i in range(start, stop)}
+        saved = {}
+        for i in range(start, stop):
+            if i in self.blocks:
+                saved[i] = self.blocks[i].gate
+                self.blocks[i].gate = _ResidentOnlyGate(saved[i], self.cache, i)
+        try:
+            with self.cache.side_pass():
+                out = self.m2r2.fast_layers(h, start, stop, None, views)
+                mx.eval(out)
+        finally:
+            for i, gate in saved.items():
+                self.blocks[i].gate = gate
+        self.fast_layer_passes += stop - start
+        return out

@@ -1,0 +1,90 @@
+"""M2R2 ahead-of-time expert loading: the fast stream's predictions never change the tokens;
+m2r2-bench --moe runs every method end to end on a tiny OLMoE and writes its files."""
+
+import json
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from m2r2_mlx.adapters import new_m2r2, save_adapters
+from m2r2_mlx.moe import ExpertStore, Prefetcher, offload_experts
+from m2r2_mlx.moe.fast_predictor import FastStreamPredictor
+from bench.moe_bench import greedy
+from tests.tiny import tiny_model
+
+PROMPT = np.array([3, 17, 42, 8, 99, 23, 5, 61, 12, 7])
+
+
+def _m2r2(lm, seed=1):
+    m = new_m2r2(lm, gates=[2, 4], rank=8)
+    mx.random.seed(seed)  # nonzero adapters: the fast stream really differs from the base
+    m.update(tree_map(lambda p: 0.2 * mx.random.normal(p.shape), m.parameters()))
+    return m
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return ExpertStore.export(tiny_model("olmoe").model, tmp_path_factory.mktemp("store") / "experts")
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_fast_stream_predictions_leave_tokens_unchanged(store, budget):
+    reference, _ = greedy(tiny_model("olmoe").model, PROMPT, 12)
+    lm = tiny_model("olmoe")
+    cache = offload_experts(lm.model, store, budget)
+    Prefetcher(cache)
+    predictor = FastStreamPredictor(_m2r2(lm)).attach(cache)
+    tokens, _ = greedy(lm.model, PROMPT, 12, on_prefilled=cache.reset)
+    assert tokens == reference
+    s = cache.stats
+    assert s.steps == 11  # decode steps only: the fast stream's passes count none
+    assert s.total("predicted") > 0 and 0 < s.recall <= 1
+    # layers 2..5 are predicted (the intervals after the first gate); layers 0-1 are not
+    assert {l for l, st in s.layers.items() if st.predicted} == {2, 3, 4, 5}
+    assert predictor.fast_layer_passes == 4 * 11  # intervals [0,2) and [2,4) every decode step
+    predictor.detach()
+    assert all(type(layer).__name__ != "_GateTap" for layer in lm.model.layers)
+    cache.prefetcher.close()
+
+
+def _tiny_olmoe_folder(tmp_path):
+    lm = tiny_model("olmoe")
+    folder = tmp_path / "tiny-olmoe"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    (folder / "config.json").write_text(json.dumps(lm.config))
+    save_adapters(_m2r2(lm), tmp_path / "adapters")
+    ids = np.random.default_rng(0).integers(0, lm.config["vocab_size"], 400).astype(np.uint16)
+    np.save(tmp_path / "eval.npy", ids)
+    return folder
+
+
+EXE = shutil.which("m2r2-bench")
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
+    model = _tiny_olmoe_folder(tmp_path)
+    out = tmp_path / "out"
+    r = subprocess.run([EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters"),
+                        "--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2",
+                        "--prompt-tokens", "8", "--max-tokens", "6", "--link-gbps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((out / "moe_bench.json").read_text())
+    methods = {(row["method"], row["budget"]) for row in result["rows"]}
+    assert methods == {("resident", 100.0)} | {(m, b) for m in ("lru", "pregating", "m2r2", "shuffled") for b in (50.0, 25.0)}
+    assert all(row["same_as_resident"] for row in result["rows"])
+    assert (out / "moe_bench.png").stat().st_size > 0 and "M2R2 ahead-of-time" in (out / "moe_bench_table.md").read_text()
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_bench_moe_bad_input_is_one_line(tmp_path):
+    r = subprocess.run([EXE, "--moe", "--methods", "lru,psychic", "--prompts", str(tmp_path / "none.npy")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "psychic" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
