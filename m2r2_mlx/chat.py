@@ -16,8 +16,9 @@ from .registry import LoadedModel
 class ChatSession:
     """Chat history + prompt cache: each turn prefills only what the cache lacks."""
 
-    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, decoder=None):
+    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, decoder=None, expert_cache=None):
         self.lm = lm
+        self.expert_cache = expert_cache  # MoE models served within a memory budget (m2r2_mlx.moe)
         self.decode = decoder or partial(generate, lm.model, lm.tokenizer)
         self.system_prompt = system_prompt
         self.cache = PromptCache(lm.model)

@@ -184,6 +184,17 @@ class ChatApp(App):
         box.placeholder = "message, or /help"
         box.focus()
 
+    def _expert_lines(self) -> str:
+        cache = getattr(self.session, "expert_cache", None)
+        if cache is None:
+            return ""
+        from m2r2_mlx.moe.serve import budget_line
+
+        st = cache.stats
+        return (f"\nexperts hit    {100 * st.hit_rate:7.0f}%\n"
+                f"moved/token   {st.bytes_per_token / 1e6:6.2f} MB\n"
+                f"{budget_line(cache, 16)}")
+
     def _update_stats(self, s: AnswerStats) -> None:
         accepted = s.accepted_per_step
         self.query_one("#stats", Static).update(
@@ -195,6 +206,7 @@ class ChatApp(App):
             f"peak memory    {s.peak_memory_gb:6.2f} GB\n"
             f"prefill        {s.prefill_tokens:>4d}/{s.prompt_tokens:<4d}\n"
             f"BLAS           {blas_info().name:>8s}"
+            + self._expert_lines()
         )
         self.query_one("#spark", Sparkline).data = s.exit_layers[-64:] or [0]
         hist = s.exit_histogram()

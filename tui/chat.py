@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
+    p.add_argument("--memory-budget", default=None, metavar="B",
+                   help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (default: all)")
+    p.add_argument("--expert-predictor", default="pregating", choices=["pregating", "m2r2", "none"],
+                   help="with --memory-budget: who loads experts ahead of time (m2r2 needs --adapters for the model)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="with --memory-budget: throttle expert loads to this many GB/s (emulates a discrete GPU)")
     return p
 
 
@@ -68,9 +74,15 @@ def make_session(args: argparse.Namespace, lm):
     from m2r2_mlx.chat import ChatSession
     from m2r2_mlx.decoders import make_decoder
 
+    expert_cache = None
+    if args.memory_budget is not None:  # before the decoder: its fast stream then runs on the budgeted experts too
+        from m2r2_mlx.moe.serve import serve_with_budget
+
+        expert_cache = serve_with_budget(lm, args.memory_budget, predictor=args.expert_predictor,
+                                         adapters=args.adapters, link_gbps=args.link_gbps)
     decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft,
                            threshold=args.threshold, draft_vocab=args.draft_vocab, tau=args.tau)
-    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder)
+    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder, expert_cache=expert_cache)
 
 
 def one_shot(args: argparse.Namespace) -> int:
@@ -86,7 +98,11 @@ def one_shot(args: argparse.Namespace) -> int:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    print(f"[{lm.name} | {args.mode} | {stats.summary()} | {blas_info().name} BLAS]", file=sys.stderr)
+    experts = ""
+    if session.expert_cache is not None:
+        c = session.expert_cache.stats
+        experts = f" | experts: {c.hit_rate:.0%} hit, {c.bytes_per_token / 1e6:.2f} MB/token moved"
+    print(f"[{lm.name} | {args.mode} | {stats.summary()}{experts} | {blas_info().name} BLAS]", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,72 @@
+"""m2r2-chat on an MoE model within an expert memory budget: same answer, expert stats shown."""
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from textual.widgets import Static
+
+from m2r2_mlx.registry import resolve_model_path
+from tests.tiny import tiny_model
+from tests.test_tui import _args, _ask
+from tui.app import ChatApp
+
+EXE = shutil.which("m2r2-chat")
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    """A tiny random OLMoE with the embedded model's real tokenizer: a real folder m2r2-chat loads."""
+    folder = tmp_path_factory.mktemp("models") / "tiny-olmoe-chat"
+    folder.mkdir()
+    smol = resolve_model_path(None)
+    for f in smol.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            shutil.copy(f, folder / f.name)
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    lm = tiny_model("olmoe", vocab_size=vocab, num_hidden_layers=4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    (folder / "config.json").write_text(json.dumps(lm.config))
+    return folder
+
+
+def _chat(folder, *extra, home):
+    env = dict(os.environ, M2R2_HOME=str(home))
+    return subprocess.run([EXE, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_budgeted_chat_answers_exactly_as_all_resident(moe_folder, tmp_path):
+    full = _chat(moe_folder, home=tmp_path)
+    budgeted = _chat(moe_folder, "--memory-budget", "50%", home=tmp_path)
+    assert full.returncode == 0 and budgeted.returncode == 0, budgeted.stderr[-1500:]
+    assert budgeted.stdout == full.stdout and budgeted.stdout.strip()
+    assert "experts:" in budgeted.stderr and "hit" in budgeted.stderr
+    assert (tmp_path / "experts").is_dir()  # exported once into m2r2's cache folder
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
+    r = subprocess.run([EXE, "--prompt", "Hi", "--memory-budget", "25%"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "mixture-of-experts" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chat_panel_shows_expert_hit_rate_and_budget(moe_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("M2R2_HOME", str(tmp_path))
+
+    async def run():
+        app = ChatApp(_args("--model", str(moe_folder), "--memory-budget", "25%", "--max-tokens", "6"))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _ask(pilot, app, "Hello there")
+            stats = str(app.query_one("#stats", Static).render())
+            assert "experts hit" in stats and "moved/token" in stats and "25%" in stats
+            assert app.session.expert_cache.stats.tokens > 0
+
+    asyncio.run(run())
