@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, default=0.5, help="throttled link bandwidth, GB/s (0: unthrottled)")
     p.add_argument("--latency-ms", type=float, default=0.05, help="throttled link latency per transfer")
     p.add_argument("--policy", default="lru", choices=["lru", "lfu"])
+    p.add_argument("--m2r2-intervals", type=int, default=None,
+                   help="M2R2: run the fast stream ahead in the first N gate intervals only (default: all)")
     p.add_argument("--out", type=Path, default=Path("docs"), help="folder for moe_bench.md/.json/.png")
     return p
 
@@ -90,7 +92,7 @@ def setup(args, method: str, budget: float, store):
         elif method == "shuffled":
             predictor = ShuffledControl(lookahead=1, seed=0).attach(cache)
         else:
-            predictor = FastStreamPredictor(load_adapters(lm, args.adapters)).attach(cache)
+            predictor = FastStreamPredictor(load_adapters(lm, args.adapters), intervals=args.m2r2_intervals).attach(cache)
     return lm.model, cache, predictor
 
 

@@ -62,10 +62,12 @@ class _GateTap(nn.Module):
 class FastStreamPredictor:
     """Predict each interval's experts from the previous interval's fast-stream exit."""
 
-    def __init__(self, m2r2: M2R2Model, top: int | None = None):
+    def __init__(self, m2r2: M2R2Model, top: int | None = None, intervals: int | None = None):
         self.m2r2 = m2r2
         self.parts = m2r2.parts
-        self.intervals = m2r2.config.intervals()
+        # run ahead in the first ``intervals`` intervals only (default all): fewer fast-stream layer
+        # passes per token; the last one run then predicts every layer above it
+        self.intervals = m2r2.config.intervals()[:intervals]
         self.starts = {s: (s, g) for s, g in self.intervals}
         self.top = top  # experts predicted per layer (default: the layer's top-k)
         self.caches: dict[int, object] = {}
@@ -94,7 +96,7 @@ class FastStreamPredictor:
     def targets(self, stop: int) -> list[int]:
         """The layers of the interval after the one ending at ``stop`` (the last gate: up to the top)."""
         nxt = [g for s, g in self.intervals if s == stop]
-        end = nxt[0] if nxt else self.parts.num_layers
+        end = nxt[0] if nxt else self.parts.num_layers  # the last interval run: everything above it
         return [l for l in range(stop, end) if l in self.cache.routers]
 
     def on_gate(self, start: int, h: mx.array) -> None:
