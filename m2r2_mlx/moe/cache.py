@@ -124,6 +124,7 @@ class ExpertCache:
         self.step = -1
         self.position = (-1, -1)  # (step, MoE layer ordinal) the forward pass has reached
         self._side = False
+        self.resident_only = False  # set while a predictor's pass routes among resident experts only
         self._warm_fill()
 
     # -- state -----------------------------------------------------------------------------
@@ -143,6 +144,10 @@ class ExpertCache:
 
     def resident(self, layer: int) -> list[int]:
         return sorted(int(e) for e in self._owner[layer] if e >= 0)
+
+    def resident_mask(self, layer: int) -> mx.array:
+        """bool per expert: resident now (read on the compute thread; no MLX sync)."""
+        return mx.array(self._slot_of[layer] >= 0)
 
     def slot_map(self, layer: int) -> mx.array:
         """expert id -> slot id (int32, one entry per expert; non-resident experts map to 0, never read)."""

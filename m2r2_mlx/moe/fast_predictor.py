@@ -9,7 +9,8 @@ the background loader brings them in while the slow stream computes this interva
 Pre-gating, the baseline, sees only one layer ahead.
 
 The fast stream's own MoE layers route among the experts already resident (the others'
-router logits are masked), so running ahead never loads or stalls, and it runs inside
+router logits are masked), so running ahead never loads, stalls or waits for the router's
+choice (the interval is one lazy graph, evaluated once), and it runs inside
 ``cache.side_pass()`` so it counts no hits or misses. The slow stream is untouched: the
 tokens are the all-resident model's exactly.
 
@@ -38,9 +39,7 @@ class _ResidentOnlyGate(nn.Module):
         self.gate, self.cache, self.layer = gate, cache, layer
 
     def __call__(self, x: mx.array) -> mx.array:
-        resident = np.zeros(self.cache.num_experts(self.layer), dtype=bool)
-        resident[self.cache.resident(self.layer)] = True
-        return mx.where(mx.array(resident), self.gate(x), -1e9)
+        return mx.where(self.cache.resident_mask(self.layer), self.gate(x), -1e9)
 
 
 class _GateTap(nn.Module):
@@ -123,11 +122,13 @@ class FastStreamPredictor:
             if i in self.blocks:
                 saved[i] = self.blocks[i].gate
                 self.blocks[i].gate = _ResidentOnlyGate(saved[i], self.cache, i)
+        self.cache.resident_only = True  # one lazy graph for the whole interval, evaluated once
         try:
             with self.cache.side_pass():
                 out = self.m2r2.fast_layers(h, start, stop, None, views)
                 mx.eval(out)
         finally:
+            self.cache.resident_only = False
             for i, gate in saved.items():
                 self.blocks[i].gate = gate
         self.fast_layer_passes += stop - start

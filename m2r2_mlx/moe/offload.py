@@ -32,6 +32,8 @@ class CachedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         cache, layer = self.cache, self.layer
+        if cache.resident_only:  # a predictor running ahead, routed to resident experts: no loads, no sync
+            return self.inner(x, cache.slot_map(layer)[indices])
         ids = np.array(indices)  # a sync point: which experts to load is known only once the router ran
         d = x.shape[-1]
         rounds = cache.begin_layer(layer, x.reshape(-1, d), ids.reshape(-1))
