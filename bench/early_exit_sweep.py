@@ -30,7 +30,7 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import mlx.core as mx
 import numpy as np
 
-from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.blas import blas_info
 from m2r2_mlx.decoders import load_m2r2
 from m2r2_mlx.early_exit import confidence, early_exit_generate
@@ -97,7 +97,7 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    atomic_save_figure(fig, out)
 
 
 def _main() -> int:

@@ -20,6 +20,7 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 
 import numpy as np
 
+from m2r2_mlx.atomic import atomic_save_figure
 from m2r2_mlx.decoders import load_m2r2, packaged_adapters
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.evaluate import answer_agreement
@@ -46,7 +47,7 @@ def plot(results: dict, out: Path) -> None:
     axes[0].set_ylabel("top-1 agreement with full model (%)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    atomic_save_figure(fig, out)
 
 
 def table(results: dict) -> str:

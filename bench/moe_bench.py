@@ -25,7 +25,7 @@ import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.errors import M2R2Error, run_cli
 
 METHODS = ("resident", "lru", "pregating", "m2r2", "shuffled")
@@ -210,9 +210,7 @@ def plot(result: dict, path: Path) -> None:
     b.set(ylabel="hit rate", ylim=(0, 1.05), title="expert cache hit rate")
     a.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    atomic_save_figure(fig, path)
 
 
 def _main(argv: list[str] | None = None) -> int:

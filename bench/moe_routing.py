@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.moe.blocks import moe_blocks, top_k
 from m2r2_mlx.registry import load_model
@@ -112,9 +112,7 @@ def plot(rows: list[dict], path: Path) -> None:
     b.set(xlabel="layer", ylim=(0, 1.05), title="routing per layer")
     b.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    atomic_save_figure(fig, path)
 
 
 def _main() -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 
-from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.blas import blas_info
 from m2r2_mlx.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD
 from m2r2_mlx.errors import M2R2Error, run_cli
@@ -211,7 +211,7 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    atomic_save_figure(fig, out)
 
 
 def _main() -> int:

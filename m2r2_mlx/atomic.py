@@ -48,3 +48,17 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
         os.unlink(tmp)
         raise
     return path
+
+
+def atomic_save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as PNG atomically (a plot beside a table is never half-written)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
