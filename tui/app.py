@@ -208,7 +208,7 @@ class ChatApp(App):
             f"BLAS           {blas_info().name:>8s}"
             + self._expert_lines()
         )
-        self.query_one("#spark", Sparkline).data = s.exit_layers[-64:] or [0]
+        self.query_one("#spark", Sparkline).data = s.exit_layers[-64:]  # empty before the first answer: a blank line, not full bars
         hist = s.exit_histogram()
         top = max(hist.values(), default=1)
         self.query_one("#hist", Static).update(
