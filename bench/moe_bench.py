@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="build/tiny-olmoe", help="an mlx-lm MoE model (alias, repo id or folder)")
     p.add_argument("--adapters", default="build/tiny-olmoe-m2r2", help="M2R2 adapters trained on that model")
     p.add_argument("--experts", type=Path, default=None,
-                   help="expert store folder (default: <model folder>-experts, exported on first use)")
+                   help="expert store folder (default: m2r2's cache, keyed by the model's weights; exported on first use)")
     p.add_argument("--budgets", default="100,50,25,12.5", help="expert budgets, percent of all experts")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, of {', '.join(METHODS)} (resident always runs: it is the token reference)")
     p.add_argument("--prompts", type=Path, default=Path("build/olmoe-data/eval.npy"),
                    help="held-out token ids (.npy): prompts are windows of it")
     p.add_argument("--num-prompts", type=int, default=6)
@@ -75,8 +76,8 @@ def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None) -> tuple[list[i
 def setup(args, method: str, budget: float, store):
     """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor)."""
     from m2r2_mlx.adapters import load_adapters
-    from m2r2_mlx.moe import Link, PreGating, Prefetcher, ShuffledControl, offload_experts
-    from m2r2_mlx.moe.fast_predictor import FastStreamPredictor
+    from m2r2_mlx.moe import Link, offload_experts
+    from m2r2_mlx.moe.serve import attach_predictor
     from m2r2_mlx.registry import load_model
 
     lm = load_model(args.model, tokenizer=False)  # token ids in, token ids out
@@ -84,15 +85,8 @@ def setup(args, method: str, budget: float, store):
         return lm.model, None, None
     link = Link(args.link_gbps or None, args.latency_ms if args.link_gbps else 0.0)
     cache = offload_experts(lm.model, store, budget / 100, policy=args.policy, link=link)
-    predictor = None
-    if method != "lru":
-        Prefetcher(cache)
-        if method == "pregating":
-            predictor = PreGating(lookahead=1).attach(cache)
-        elif method == "shuffled":
-            predictor = ShuffledControl(lookahead=1, seed=0).attach(cache)
-        else:
-            predictor = FastStreamPredictor(load_adapters(lm, args.adapters), intervals=args.m2r2_intervals).attach(cache)
+    m2r2 = load_adapters(lm, args.adapters) if method == "m2r2" else None
+    predictor = attach_predictor(cache, "none" if method == "lru" else method, m2r2, args.m2r2_intervals)
     return lm.model, cache, predictor
 
 
@@ -100,7 +94,8 @@ def run(args) -> dict:
     from tqdm.auto import tqdm
 
     from m2r2_mlx.moe import ExpertStore
-    from m2r2_mlx.registry import load_model, resolve_model_path
+    from m2r2_mlx.moe.serve import store_folder
+    from m2r2_mlx.registry import load_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -110,6 +105,8 @@ def run(args) -> dict:
         budgets = [float(b) for b in args.budgets.split(",")]
     except ValueError:
         raise M2R2Error(f"--budgets must be comma-separated percentages, got {args.budgets!r}") from None
+    if args.num_prompts < 1 or args.max_tokens < 2 or args.prompt_tokens < 1:
+        raise M2R2Error("--num-prompts and --prompt-tokens must be at least 1, --max-tokens at least 2")
     if not args.prompts.is_file():
         raise M2R2Error(f"{args.prompts} not found; build it with scripts/build_tiny_olmoe.sh")
     ids = np.load(args.prompts)
@@ -119,35 +116,46 @@ def run(args) -> dict:
     stride = ids.size // args.num_prompts
     prompts = [ids[i * stride: i * stride + span] for i in range(args.num_prompts)]
 
-    folder = args.experts or Path(str(resolve_model_path(args.model)).rstrip("/") + "-experts")
+    lm = load_model(args.model, tokenizer=False)
+    folder = args.experts or store_folder(lm)
     if not (folder / "experts.json").exists():
         print(f"exporting experts to {folder} (once)", file=sys.stderr)
-        ExpertStore.export(load_model(args.model, tokenizer=False).model, folder)
+        ExpertStore.export(lm.model, folder)
+    del lm
     store = ExpertStore.open(folder)
 
-    runs = [("resident", 100.0)] if "resident" in methods else []
+    runs = [("resident", 100.0)]  # always: the tokens every other row is checked against
     runs += [(m, b) for b in budgets for m in methods if m != "resident"]
     reference, rows = {}, []
     bar = tqdm(total=len(runs) * len(prompts), desc="moe bench", unit="prompt")
     for method, budget in runs:
         model, cache, predictor = setup(args, method, budget, store)
         greedy(model, prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
-        stats, tokens, seconds, same = [], 0, [], True
+
+        def measure_from_here(cache=cache, predictor=predictor):  # after each prompt's prefill: count decode steps only
+            if cache:
+                cache.reset()
+            if hasattr(predictor, "fast_layer_passes"):
+                predictor.fast_layer_passes = 0
+
+        stats, passes, tokens, seconds, same = [], [], 0, [], True
         for p_i, prompt in enumerate(prompts):
             bar.set_postfix_str(f"{method} {budget:g}%")
-            out, dt = greedy(model, prompt, args.max_tokens, on_prefilled=cache.reset if cache else None)
+            out, dt = greedy(model, prompt, args.max_tokens, on_prefilled=measure_from_here)
             if method == "resident":
                 reference[p_i] = out
-            same &= reference.get(p_i, out) == out
+            same &= reference[p_i] == out
             seconds.append(dt)
             tokens += len(out) - 1
             if cache:
                 stats.append(cache.stats.summary())
+            if hasattr(predictor, "fast_layer_passes"):
+                passes.append(predictor.fast_layer_passes)
             bar.update()
         row = {"method": method, "budget": budget, "tokens": tokens, "decode_s": sum(seconds),
                "tokens_per_s": tokens / sum(seconds), "same_as_resident": same}
         if cache:
-            agg = lambda k: sum(s[k] for s in stats)  # noqa: E731
+            agg = lambda k, stats=stats: sum(s[k] for s in stats)  # noqa: E731
             steps = agg("tokens")
             row.update(hit_rate=agg("hits") / max(1, agg("hits") + agg("misses")),
                        precision=agg("predicted_used") / agg("predicted") if agg("predicted") else None,
@@ -155,10 +163,8 @@ def run(args) -> dict:
                        mb_per_token=agg("bytes_moved") / max(1, steps) / 1e6,
                        stall_ms_per_token=1e3 * agg("stall_s") / max(1, steps),
                        slots=f"{min(cache.slots_per_layer.values())}/{cache.num_experts(cache.layers[0])}")
-            if predictor is not None and hasattr(predictor, "fast_layer_passes"):
-                row["fast_layer_passes_per_token"] = predictor.fast_layer_passes / max(1, steps)
-            if cache.prefetcher is not None:
-                cache.prefetcher.close()
+            if passes:
+                row["fast_layer_passes_per_token"] = sum(passes) / max(1, steps)
             cache.close()
         rows.append(row)
     bar.close()

@@ -45,14 +45,20 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
     blocks = moe_blocks(model)
     if not blocks:
         raise M2R2Error("this model has no SwitchGLU mixture-of-experts layers to analyse")
+    n = min(tokens.size // seq_len, max_tokens // seq_len)
+    if n < 1:
+        raise M2R2Error(f"routing statistics need at least {seq_len} tokens (--max-tokens and the token file)")
     gates = []
     for _, block in blocks:
         block.gate = RecordingGate(block.gate)
         gates.append(block.gate)
-    n = min(tokens.size // seq_len, max_tokens // seq_len)
-    for i in range(n):
-        out = model(mx.array(tokens[i * seq_len: (i + 1) * seq_len][None].astype(np.int32)))
-        mx.eval(out, [g.logits[-1] for g in gates], [g.inputs[-1] for g in gates])
+    try:
+        for i in range(n):
+            out = model(mx.array(tokens[i * seq_len: (i + 1) * seq_len][None].astype(np.int32)))
+            mx.eval(out, [g.logits[-1] for g in gates], [g.inputs[-1] for g in gates])
+    finally:
+        for (_, block), gate in zip(blocks, gates):
+            block.gate = gate.inner
     rows = []
     for j, ((layer, block), gate) in enumerate(zip(blocks, gates)):
         k = top_k(block)
@@ -76,8 +82,6 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
             actual = np.argpartition(-np.concatenate([np.array(l) for l in gates[j + 1].logits]), k - 1, axis=-1)[:, :k]
             row["pregate_recall"] = float((pred[:, :, None] == actual[:, None, :]).any(-1).mean())
         rows.append(row)
-    for (_, block), gate in zip(blocks, gates):
-        block.gate = gate.inner
     return rows
 
 
@@ -128,7 +132,8 @@ def _main() -> int:
     lm = load_model(args.model)
     tokens = np.load(args.tokens)
     rows = routing_stats(lm.model, tokens, max_tokens=args.max_tokens)
-    text = table(rows, f"Routing of `{args.model}` on {min(tokens.size, args.max_tokens):,} held-out tokens.")
+    used = min(tokens.size // 512, args.max_tokens // 512) * 512
+    text = table(rows, f"Routing of `{args.model}` on {used:,} held-out tokens.")
     print(text)
     atomic_write_text(args.out / "moe_routing_table.md", text)
     plot(rows, args.out / "moe_routing.png")

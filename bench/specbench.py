@@ -41,7 +41,9 @@ LABELS = {"plain": "plain (ours)", "mlx-lm": "mlx-lm stream_generate", "m2r2": "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="m2r2-bench", description=__doc__.split("\n")[0],
+                                epilog="m2r2-bench --moe [...] runs the MoE expert-cache benchmark instead "
+                                       "(see m2r2-bench --moe --help)")
     p.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
     p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones)")
     p.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")

@@ -43,8 +43,11 @@ def test_fast_stream_predictions_leave_tokens_unchanged(store, budget):
     s = cache.stats
     assert s.steps == 11  # decode steps only: the fast stream's passes count none
     assert s.total("predicted") > 0 and 0 < s.recall <= 1
-    # layers 2..5 are predicted (the intervals after the first gate); layers 0-1 are not
+    # layers 2..5 are predicted (the intervals after the first gate); layers 0-1 are not; every decode
+    # step's prediction is scored at that same step (a prediction filed under another step would be
+    # scored late or pruned, and these counts would fall short)
     assert {l for l, st in s.layers.items() if st.predicted} == {2, 3, 4, 5}
+    assert all(s.layers[l].predicted == 11 * cache.top_k(l) for l in (2, 3, 4, 5))
     assert predictor.fast_layer_passes == 4 * 11  # intervals [0,2) and [2,4) every decode step
     predictor.detach()
     assert all(type(layer).__name__ != "_GateTap" for layer in lm.model.layers)

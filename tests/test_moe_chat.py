@@ -58,6 +58,26 @@ def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_m2r2_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_path):
+    """The predictor's layer taps must not break LoRA adapters the decoder loads (names inside layers)."""
+    from mlx.utils import tree_map
+
+    from m2r2_mlx.adapters import new_m2r2, save_adapters
+    from m2r2_mlx.registry import load_model
+
+    lm = load_model(str(moe_folder), tokenizer=False)
+    m = new_m2r2(lm, gates=[2], rank=4, lora_targets=["q_proj", "v_proj"])
+    mx.random.seed(3)
+    m.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), m.parameters()))
+    save_adapters(m, tmp_path / "lora")
+    full = _chat(moe_folder, home=tmp_path)
+    spec = _chat(moe_folder, "--memory-budget", "50%", "--expert-predictor", "m2r2", "--adapters",
+                 str(tmp_path / "lora"), "--mode", "speculative", home=tmp_path)
+    assert spec.returncode == 0, spec.stderr[-1500:]
+    assert spec.stdout == full.stdout  # lossless speculative decoding on budgeted experts
+
+
 def test_chat_panel_shows_expert_hit_rate_and_budget(moe_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("M2R2_HOME", str(tmp_path))
 

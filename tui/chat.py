@@ -74,14 +74,14 @@ def make_session(args: argparse.Namespace, lm):
     from m2r2_mlx.chat import ChatSession
     from m2r2_mlx.decoders import make_decoder
 
+    decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft,
+                           threshold=args.threshold, draft_vocab=args.draft_vocab, tau=args.tau)
     expert_cache = None
-    if args.memory_budget is not None:  # before the decoder: its fast stream then runs on the budgeted experts too
-        from m2r2_mlx.moe.serve import serve_with_budget
+    if args.memory_budget is not None:  # after the decoder: the M2R2 predictor wraps the layers, which would
+        from m2r2_mlx.moe.serve import serve_with_budget  # rename the projections LoRA adapters attach to
 
         expert_cache = serve_with_budget(lm, args.memory_budget, predictor=args.expert_predictor,
                                          adapters=args.adapters, link_gbps=args.link_gbps)
-    decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft,
-                           threshold=args.threshold, draft_vocab=args.draft_vocab, tau=args.tau)
     return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder, expert_cache=expert_cache)
 
 

@@ -78,6 +78,8 @@ class FastStreamPredictor:
         missing = [l for l in cache.layers if l not in cache.routers]
         if missing:
             raise M2R2Error(f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose")
+        if any(isinstance(layer, _GateTap) for layer in self.parts.layers):
+            raise M2R2Error("this model already has an M2R2 expert predictor attached")
         self.cache = cache
         self.blocks = dict(moe_blocks(self.parts.model))
         layers = self.parts.layers
@@ -91,6 +93,7 @@ class FastStreamPredictor:
             if isinstance(layers[i], _GateTap):
                 layers[i] = layers[i].layer
         self.cache = None
+        self.caches.clear()  # they hold the KV caches
 
     def targets(self, stop: int) -> list[int]:
         """The layers of the interval after the one ending at ``stop`` (the last gate: up to the top)."""
@@ -107,7 +110,8 @@ class FastStreamPredictor:
             exit_state = self._run_fast(h, start, stop)
         finally:
             self.running = False
-        step = self.cache.step + (1 if start == 0 else 0)  # at layer 0 the cache has not counted this step yet
+        # the cache counts a new step at its first MoE layer: before it, this step is not counted yet
+        step = self.cache.step + (0 if self.cache.layers[0] < start else 1)
         for t in self.targets(stop):
             x = self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1)
             logits = self.blocks[t].gate(x)

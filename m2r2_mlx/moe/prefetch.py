@@ -47,7 +47,11 @@ class Prefetcher:
         with self._cond:
             for e in experts:
                 key = (layer, e)
-                if key not in self._pending and not any(r[:2] == key for r in self._ready):
+                if key in self._pending:  # still queued for an older step: that step's pass may be gone, keep it alive
+                    for i, (s, l, x) in enumerate(self._queue):
+                        if (l, x) == key and s < step:
+                            self._queue[i] = (step, l, x)
+                elif not any(r[:2] == key for r in self._ready):
                     self._pending.add(key)
                     self._queue.append((step, layer, e))
             self._cond.notify_all()

@@ -14,18 +14,22 @@ from pathlib import Path
 from ..errors import M2R2Error
 from ..registry import LoadedModel, cache_home
 from .blocks import moe_blocks
-from .cache import ExpertCache
+from .cache import ExpertCache, parse_budget
 from .link import Link
 from .offload import offload_experts
-from .predictors import PreGating
+from .predictors import PreGating, ShuffledControl
 from .prefetch import Prefetcher
 from .store import ExpertStore
 
-PREDICTORS = ("pregating", "m2r2", "none")
+PREDICTORS = ("pregating", "m2r2", "shuffled", "none")
 
 
 def store_folder(lm: LoadedModel) -> Path:
-    key = hashlib.sha256(str(lm.path.resolve()).encode()).hexdigest()[:12]
+    """Where this model's experts are exported: keyed by its folder and its weight files (name, size,
+    mtime), so a rebuilt or re-downloaded model gets a fresh export instead of stale experts."""
+    files = sorted(lm.path.resolve().glob("*.safetensors"))
+    ident = [str(lm.path.resolve())] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:12]
     return cache_home() / "experts" / f"{lm.path.name}-{key}"
 
 
@@ -37,23 +41,36 @@ def serve_with_budget(lm: LoadedModel, budget: str, *, predictor: str = "pregati
                         f"{lm.name} has no experts")
     if predictor not in PREDICTORS:
         raise M2R2Error(f"unknown expert predictor {predictor!r}; choose from {', '.join(PREDICTORS)}")
+    parse_budget(budget)  # bad input fails before the (possibly long) export
+    m2r2 = None
+    if predictor == "m2r2":
+        if adapters is None:
+            raise M2R2Error("--expert-predictor m2r2 needs --adapters trained on this model")
+        from ..adapters import load_adapters
+
+        m2r2 = load_adapters(lm, adapters)
     folder = store_folder(lm)
     if not (folder / "experts.json").exists():
         print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
         ExpertStore.export(lm.model, folder)
-    cache = offload_experts(lm.model, folder, budget, link=Link(link_gbps) if link_gbps else None)
-    if predictor != "none":
-        Prefetcher(cache)
-        if predictor == "pregating":
-            PreGating().attach(cache)
-        else:
-            from ..adapters import load_adapters
-            from .fast_predictor import FastStreamPredictor
-
-            if adapters is None:
-                raise M2R2Error("--expert-predictor m2r2 needs --adapters trained on this model")
-            FastStreamPredictor(load_adapters(lm, adapters)).attach(cache)
+    cache = offload_experts(lm.model, folder, budget, link=Link(link_gbps) if link_gbps is not None else None)
+    attach_predictor(cache, predictor, m2r2)
     return cache
+
+
+def attach_predictor(cache: ExpertCache, predictor: str, m2r2=None, intervals: int | None = None):
+    """A background loader plus the named predictor (``m2r2`` needs the loaded adapters; ``intervals``:
+    how many gate intervals its fast stream runs ahead in); returns the predictor, or None."""
+    if predictor == "none":
+        return None
+    Prefetcher(cache)
+    if predictor == "pregating":
+        return PreGating().attach(cache)
+    if predictor == "shuffled":
+        return ShuffledControl(seed=0).attach(cache)
+    from .fast_predictor import FastStreamPredictor
+
+    return FastStreamPredictor(m2r2, intervals=intervals).attach(cache)
 
 
 def budget_line(cache: ExpertCache, width: int = 20) -> str:

@@ -21,6 +21,7 @@ load-balancing loss and the router z-loss keep experts in use, as OLMoE does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -54,6 +55,11 @@ def corpus_documents() -> list[str]:
         raise M2R2Error(f"{pydoc} not found; install it with: apt-get install python3.11-doc")
     docs += [f.read_text(errors="replace") for f in sorted(pydoc.rglob("*.txt"))]
     return docs
+
+
+def refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise M2R2Error(f"{out} exists; pass --force to replace it")
 
 
 def build_data(out: Path, vocab_size: int, holdout: float = 0.01, seed: int = 0) -> dict:
@@ -241,6 +247,8 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
         return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
     gen = torch.Generator().manual_seed(seed)
     start = time.time()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise M2R2Error("--device cuda: this PyTorch sees no CUDA GPU; use --device mps on a Mac, or cpu (slow)")
     amp = dict(device_type="cuda", dtype=torch.bfloat16) if device.startswith("cuda") else None
     E, k = config["num_experts"], config["num_experts_per_tok"]
 
@@ -250,7 +258,7 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
         return x[:, :-1], x[:, 1:]
 
     def losses(x, y):
-        with torch.autocast(**amp) if amp else torch.enable_grad():
+        with torch.autocast(**amp) if amp else contextlib.nullcontext():
             logits, routers = model(x)
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
         balance, z = moe_losses(routers, E, k)
@@ -319,8 +327,10 @@ def export(trained: Path, data: Path, out: Path, force: bool) -> Path:
 
     from ..atomic import atomic_folder
 
-    if out.exists() and not force:
-        raise M2R2Error(f"{out} exists; pass --force to replace it")
+    refuse_existing(out, force)
+    missing = [p for p in (trained / "config.json", data / "tokenizer.json", data / "tokenizer_config.json") if not p.is_file()]
+    if missing:
+        raise M2R2Error(f"{missing[0]} is missing; run the data and train steps first")
     weights = mlx_weights(trained)
     with atomic_folder(out) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -338,6 +348,7 @@ def _main() -> int:
     d = sub.add_parser("data", help="corpus + BPE tokenizer + token ids")
     d.add_argument("-o", "--output", type=Path, required=True)
     d.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
+    d.add_argument("--force", action="store_true", help="replace an existing output folder")
     t = sub.add_parser("train", help="train in PyTorch (cuda, mps or cpu)")
     t.add_argument("--data", type=Path, required=True)
     t.add_argument("-o", "--output", type=Path, required=True)
@@ -349,6 +360,7 @@ def _main() -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-minutes", type=float, default=7.0, help="stop early at this wall time")
     t.add_argument("--shard-mb", type=float, default=15.0)
+    t.add_argument("--force", action="store_true", help="replace an existing output folder")
     e = sub.add_parser("export", help="PyTorch shards -> float32 MLX folder")
     e.add_argument("trained", type=Path)
     e.add_argument("--data", type=Path, required=True)
@@ -356,8 +368,10 @@ def _main() -> int:
     e.add_argument("--force", action="store_true")
     a = ap.parse_args()
     if a.cmd == "data":
+        refuse_existing(a.output, a.force)
         print(json.dumps(build_data(a.output, a.vocab)))
     elif a.cmd == "train":
+        refuse_existing(a.output, a.force)
         if not (a.data / "train.npy").exists():
             raise M2R2Error(f"{a.data} holds no train.npy; run the data step first")
         s = train(a.data, a.output, a.device, a.steps, a.batch, a.seq, a.lr, a.seed, a.max_minutes, a.shard_mb)
