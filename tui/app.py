@@ -101,6 +101,9 @@ class ChatApp(App):
 
     def on_unmount(self) -> None:
         self.cancel_event.set()
+        cache = getattr(self.session, "expert_cache", None)
+        if cache is not None:  # stop the expert loader on the MLX thread, after any answer still running
+            self.mlx.submit(cache.close)
         self.mlx.stop()
 
     def _job_load(self) -> None:

@@ -102,6 +102,7 @@ def one_shot(args: argparse.Namespace) -> int:
     if session.expert_cache is not None:
         c = session.expert_cache.stats
         experts = f" | experts: {c.hit_rate:.0%} hit, {c.bytes_per_token / 1e6:.2f} MB/token moved"
+        session.expert_cache.close()  # stop the expert loader thread
     print(f"[{lm.name} | {args.mode} | {stats.summary()}{experts} | {blas_info().name} BLAS]", file=sys.stderr)
     return 0
 
