@@ -1,7 +1,8 @@
 """SVG snapshots of the chat's main screens, on the real default model (pytest-textual-snapshot).
 
 What varies between machines and runs is pinned, nothing else: the decode clock (a fake
-perf_counter inside the decoding engine only), the BLAS line and the peak-memory reading.
+perf_counter inside the decoding engine only), the BLAS line, the peak-memory reading and
+the input's blinking cursor (held solid).
 Tokens, their exit-depth colours, the legend, the panel layout and the histogram are real.
 Update after an intended UI change with: pytest tests/test_tui_snapshots.py --snapshot-update
 """
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from textual.widgets import Input
 
 import m2r2_mlx.generate as generate_module
 import tui.app as app_module
@@ -34,8 +36,14 @@ def _app(lm, *argv):
     return ChatApp(build_parser().parse_args(["--max-tokens", "12", *argv]), lm=lm)
 
 
+def _steady_cursor(pilot):
+    """The input's cursor blinks on a timer: a snapshot could catch it either way. Keep it solid."""
+    pilot.app.query_one("#input", Input).cursor_blink = False
+
+
 def test_snapshot_plain_answer(lm, steady, snap_compare):
     async def ask(pilot):
+        _steady_cursor(pilot)
         await _ask(pilot, pilot.app, "What is the capital of France?")
 
     assert snap_compare(_app(lm), terminal_size=SIZE, run_before=ask)
@@ -43,6 +51,7 @@ def test_snapshot_plain_answer(lm, steady, snap_compare):
 
 def test_snapshot_early_exit_colours(lm, steady, snap_compare):
     async def ask(pilot):
+        _steady_cursor(pilot)
         await _ask(pilot, pilot.app, "Name three colors.")
 
     assert snap_compare(_app(lm, "--mode", "early-exit", "--tau", "0.6"), terminal_size=SIZE, run_before=ask)
