@@ -23,7 +23,7 @@ import numpy as np
 
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.errors import M2R2Error, run_cli
-from m2r2_mlx.moe.blocks import moe_blocks, top_k
+from m2r2_mlx.moe.blocks import moe_blocks, router, top_k
 from m2r2_mlx.registry import load_model
 
 
@@ -76,9 +76,8 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
                    cv=load_share.std() / load_share.mean(), entropy=float(entropy), reuse=float(same),
                    chance=k / E)
         if j + 1 < len(blocks):  # next-layer pre-gating recall
-            nxt_layer, nxt = blocks[j + 1]
             x = mx.concatenate([a.reshape(-1, a.shape[-1]) for a in gate.inputs])
-            pred = np.array(mx.argpartition(-nxt.gate.inner(x), kth=k - 1, axis=-1)[..., :k])
+            pred = np.array(router(blocks[j + 1][1])(x))  # the routers are restored by now
             actual = np.argpartition(-np.concatenate([np.array(l) for l in gates[j + 1].logits]), k - 1, axis=-1)[:, :k]
             row["pregate_recall"] = float((pred[:, :, None] == actual[:, None, :]).any(-1).mean())
         rows.append(row)

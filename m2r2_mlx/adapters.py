@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .atomic import atomic_folder
+from .atomic import atomic_folder, refuse_existing
 from .base_model import BaseParts, config_hash
 from .config import ADAPTERS_FILE, M2R2Config, even_gates
 from .errors import M2R2Error
@@ -30,12 +30,6 @@ def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64,
     form = {"adapter_form": "lora", "lora_targets": list(lora_targets), "lora_scale": lora_scale} if lora_targets else {}
     cfg = config_for_base(lm, gates, adapter_rank=rank, arla_dim=arla_dim, arla=arla, **form)
     return M2R2Model(lm.model, cfg)
-
-
-def refuse_existing(folder: str | Path, overwrite: bool = False) -> None:
-    """An existing folder is only replaced when asked to (--force)."""
-    if Path(folder).exists() and not overwrite:
-        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
 
 
 def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, keep: tuple[str, ...] = ()) -> Path:

@@ -9,6 +9,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from .errors import M2R2Error
+
+
+def refuse_existing(folder: str | Path, overwrite: bool = False) -> None:
+    """An existing folder is only replaced when asked to (--force)."""
+    if Path(folder).exists() and not overwrite:
+        raise M2R2Error(f"{folder} already exists; choose another folder or pass --force")
+
 
 @contextmanager
 def atomic_folder(dest: str | Path, keep: Sequence[str] = ()) -> Iterator[Path]:

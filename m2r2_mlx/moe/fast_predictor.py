@@ -53,7 +53,7 @@ class _GateTap(nn.Module):
         if self.predictor.running:  # the fast stream itself passing through: nothing to record
             return self.layer(h, mask, cache=cache)
         self.predictor.caches[self.index] = cache
-        if self.index in self.predictor.starts and not self.predictor.running:
+        if self.index in self.predictor.starts:
             self.predictor.on_gate(self.index, h)
         return self.layer(h, mask, cache=cache)
 
@@ -61,14 +61,13 @@ class _GateTap(nn.Module):
 class FastStreamPredictor:
     """Predict each interval's experts from the previous interval's fast-stream exit."""
 
-    def __init__(self, m2r2: M2R2Model, top: int | None = None, intervals: int | None = None):
+    def __init__(self, m2r2: M2R2Model, intervals: int | None = None):
         self.m2r2 = m2r2
         self.parts = m2r2.parts
         # run ahead in the first ``intervals`` intervals only (default all): fewer fast-stream layer
         # passes per token; the last one run then predicts every layer above it
         self.intervals = m2r2.config.intervals()[:intervals]
         self.starts = {s: (s, g) for s, g in self.intervals}
-        self.top = top  # experts predicted per layer (default: the layer's top-k)
         self.caches: dict[int, object] = {}
         self.running = False
         self.cache: ExpertCache | None = None
@@ -114,10 +113,7 @@ class FastStreamPredictor:
         step = self.cache.step + (0 if self.cache.layers[0] < start else 1)
         for t in self.targets(stop):
             x = self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1)
-            logits = self.blocks[t].gate(x)
-            k = self.top or self.cache.top_k(t)
-            experts = np.argsort(-np.array(logits[0]), kind="stable")[:k]
-            self.cache.prefetch(t, [int(e) for e in experts], step)
+            self.cache.prefetch(t, [int(e) for e in np.array(self.cache.routers[t](x))[0]], step)
 
     def _run_fast(self, h: mx.array, start: int, stop: int) -> mx.array:
         views = {i: SlowKVView(self.caches[i]) for i in range(start, stop)}

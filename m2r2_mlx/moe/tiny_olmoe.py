@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import refuse_existing
 from ..errors import M2R2Error, run_cli
 
 # 8 layers x 32 experts (top-4) of 96 hidden units: ~25M parameters, experts ~76% of the bytes.
@@ -55,11 +56,6 @@ def corpus_documents() -> list[str]:
         raise M2R2Error(f"{pydoc} not found; install it with: apt-get install python3.11-doc")
     docs += [f.read_text(errors="replace") for f in sorted(pydoc.rglob("*.txt"))]
     return docs
-
-
-def refuse_existing(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise M2R2Error(f"{out} exists; pass --force to replace it")
 
 
 def build_data(out: Path, vocab_size: int, holdout: float = 0.01, seed: int = 0) -> dict:
