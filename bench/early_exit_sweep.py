@@ -7,7 +7,7 @@ adapters have it) or by max-softmax confidence; naive early exit (the slow state
 exit) with a confidence threshold; SkipDecode-style fixed schedules (the exit gate falls
 with the position in the answer). Per setting, on Spec-Bench first turns (greedy):
 - layer passes saved: 1 - layer passes / (decoded tokens x layers), fast-stream checks and
-  deferred fills counted. A pass reads a layer's weights once whatever its chunk size, the
+  deferred fills counted (a fused fast-stream check shares the slow stream's pass). A pass reads a layer's weights once whatever its chunk size, the
   cost of a memory-bound decoder; the arithmetic (token-layers) is never below plain
   decoding's, since the deferred fill computes every skipped layer exactly. Beside it the
   exit-depth view (1 - mean exit layer / layers);
@@ -48,8 +48,8 @@ def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
     g = m2r2.config.gates
     rules = [("M2R2 + ARLA", "m2r2", ARLARule(m2r2.arla))] if getattr(m2r2, "arla", None) is not None else []
     rules += [("M2R2 + confidence", "m2r2", confidence)]
-    for name, source, rule in rules:  # a fast-stream check costs its interval: check the first gate(s) only
-        for checked in (g[:1], g[:2]):
+    for name, source, rule in rules:  # fused checks ride along the slow stream: any set of gates costs no extra pass
+        for checked in (g[:1], g[:2], g):
             for tau in taus:
                 out[f"{name}, gates {'/'.join(map(str, checked))}", f"tau {tau:g}"] = dict(
                     source=source, rule=rule, tau=tau, gates=checked)

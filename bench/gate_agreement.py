@@ -76,13 +76,12 @@ def _main() -> int:
     folder = args.adapters or packaged_adapters(lm.name)
     qs = select_questions(args.questions, "all", args.per_category)
     prompts = [q["turns"][0] for q in qs]
-    seqs = self_distill(lm, prompts, args.answer_tokens)
-    plens = [len(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)) for p in prompts]
+    transcripts = self_distill(lm, [[p] for p in prompts], args.answer_tokens)
     results = {}
     held = m2r2.config.extra.get("heldout_agreement")
     if held:
         results["held-out text and chat (training split)"] = held
-    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = answer_agreement(m2r2, list(zip(seqs, plens)))
+    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = answer_agreement(m2r2, [(t.tokens, t.prompt_len) for t in transcripts])
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "gate_agreement.png")
     md = table(results)

@@ -12,6 +12,12 @@ from typing import Iterator, Sequence
 from .errors import M2R2Error
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def refuse_existing(folder: str | Path, overwrite: bool = False) -> None:
     """An existing folder is only replaced when asked to (--force)."""
     if Path(folder).exists() and not overwrite:
@@ -28,6 +34,7 @@ def atomic_folder(dest: str | Path, keep: Sequence[str] = ()) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make the finished folder private
     try:
         yield tmp
         for name in keep:
@@ -48,9 +55,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make shared files private
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make shared files private
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

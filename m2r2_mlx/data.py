@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,8 @@ def read_text_files(paths: list[str | Path]) -> list[str]:
     return texts
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """A jsonl of prompts: each line {"prompt": "..."} or {"turns": ["...", ...]} (first turn used)."""
+def read_prompts(path: str | Path) -> list[list[str]]:
+    """A jsonl of conversations, one per line: {"prompt": "..."} or {"turns": ["...", ...]} (user turns)."""
     path = Path(path)
     if not path.is_file():
         raise M2R2Error(f"prompts file {path} not found; check --prompts")
@@ -31,9 +32,12 @@ def read_prompts(path: str | Path) -> list[str]:
             continue
         try:
             obj = json.loads(line)
-            out.append(obj["prompt"] if "prompt" in obj else obj["turns"][0])
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise M2R2Error(f"{path}:{n} is not a JSON object with 'prompt' or 'turns'") from None
+            turns = [obj["prompt"]] if "prompt" in obj else list(obj["turns"])
+            if not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise M2R2Error(f"{path}:{n} is not a JSON object with 'prompt' or a non-empty list of 'turns'") from None
+        out.append(turns)
     return out
 
 
@@ -46,18 +50,82 @@ def pack_rows(token_lists: list[list[int]], seq_len: int) -> np.ndarray:
     return flat[: n * seq_len].reshape(n, seq_len)
 
 
-def self_distill(lm, prompts: list[str], max_tokens: int, batch_size: int = 16, progress=None) -> list[list[int]]:
-    """The base model's own greedy answers, as full chat transcripts (prompt + answer tokens)."""
-    from mlx_lm import batch_generate
+@dataclass
+class Transcript:
+    tokens: list[int]  # the templated conversation up to the last answer, then that answer's exact token ids
+    prompt_len: int  # tokens before the last answer
+
+
+class DistillLog:
+    """Finished answers appended to a jsonl file as they come, so an interrupted run resumes
+    where it stopped (a torn last line is ignored)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.done = path, {}
+        if path and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                    self.done[(rec["i"], rec["turn"])] = rec["answer"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    def add(self, i: int, turn: int, answer: list[int]) -> None:
+        self.done[(i, turn)] = answer
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"i": i, "turn": turn, "answer": answer}) + "\n")
+
+
+def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: Path | None = None,
+                 batch_size: int = 96, progress=None) -> list[Transcript]:
+    """The base model's own greedy answers to every user turn, as chat transcripts.
+
+    Turn t of a conversation is answered with the earlier turns and answers in its
+    context, templated as the chat app templates its history. Each transcript ends with
+    the last answer's exact generated token ids (plus end-of-sequence when it stopped by
+    itself). Generation batches continuously (mlx-lm's BatchGenerator); ``log_path``
+    keeps finished answers so that a rerun skips them.
+    """
+    from mlx_lm.generate import BatchGenerator
 
     tok = lm.tokenizer
-    encoded = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    out = []
-    for i in range(0, len(encoded), batch_size):
-        chunk = encoded[i : i + batch_size]
-        res = batch_generate(lm.model, tok, chunk, max_tokens=max_tokens, verbose=False)
-        for prompt_ids, text in zip(chunk, res.texts):
-            out.append(list(prompt_ids) + tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+    log = DistillLog(log_path)
+    eos = set(tok.eos_token_ids)
+    transcripts: list[Transcript | None] = [None] * len(conversations)
+
+    def messages(i: int, upto: int) -> list[dict]:
+        msgs = []
+        for t in range(upto + 1):
+            msgs.append({"role": "user", "content": conversations[i][t]})
+            if t < upto:
+                answer = [x for x in log.done[(i, t)] if x not in eos]
+                msgs.append({"role": "assistant", "content": tok.decode(answer).strip()})
+        return msgs
+
+    for turn in range(max(len(c) for c in conversations)):
+        todo = [i for i, c in enumerate(conversations) if len(c) > turn]
+        prompts = {i: tok.apply_chat_template(messages(i, turn), add_generation_prompt=True) for i in todo}
+        pending = [i for i in todo if (i, turn) not in log.done]
         if progress:
-            progress(len(chunk))
-    return out
+            progress(len(todo) - len(pending))
+        if pending:
+            gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in eos], completion_batch_size=batch_size,
+                                 prefill_batch_size=16)
+            uids = gen.insert([prompts[i] for i in pending], [max_tokens] * len(pending))
+            owner = dict(zip(uids, pending))
+            answers = {uid: [] for uid in uids}
+            try:
+                while responses := gen.next_generated():
+                    for r in responses:
+                        answers[r.uid].append(r.token)  # a stop token is kept: the transcript ends with it
+                        if r.finish_reason is not None:
+                            log.add(owner[r.uid], turn, answers.pop(r.uid))
+                            if progress:
+                                progress(1)
+            finally:
+                gen.close()
+        for i in todo:
+            if len(conversations[i]) == turn + 1:
+                transcripts[i] = Transcript(list(prompts[i]) + list(log.done[(i, turn)]), len(prompts[i]))
+    return transcripts

@@ -6,6 +6,11 @@ state's own exit after the slow stream reaches g_j (``source="naive"``); its sco
 exit rule: max-softmax confidence, or ARLA's p_exit) decides. A fixed schedule
 (SkipDecode-style: exit gate by position in the answer) can replace the score.
 
+Fused passes: with bottleneck adapters the fast stream of interval j runs in the same
+layer calls as the slow stream over that interval (batch rows 0 and 1, ``FusedKV``),
+so a check reads no layer's weights twice and the slow stream is at g_j whether the
+token exits there or goes on. A token that exits at gate j has cost g_j layer passes.
+
 Deferred KV fill: an exited token's deeper layers have no K/V yet. It waits as
 "pending" with its slow state at the layer where its slow stream stopped, and joins
 the next token's forward at that layer: from there on the layers run on
@@ -13,9 +18,9 @@ the next token's forward at that layer: from there on the layers run on
 would have written and the prefix is never recomputed. Pending tokens always form a
 suffix of the sequence, so each layer's cache stays a plain append-only cache.
 At the end of an answer the still-pending tokens are filled, leaving the cache
-consistent for the next turn. Caveat: a fast-stream check inside a layer range where
-an earlier token is still pending does not see that token there (the slow stream,
-and so the cache, is exact).
+consistent for the next turn. Caveat, unfused path only (LoRA adapters): a fast-stream
+check inside a layer range where an earlier token is still pending does not see that
+token there (the slow stream, and so the cache, is exact).
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ class EarlyExit:
     """Walks one token through the model gate by gate, with deferred KV fill of exited tokens."""
 
     def __init__(self, m2r2, cache: PromptCache, *, tau: float, source: str = "m2r2", rule: Callable = confidence,
-                 gates: Sequence[int] | None = None, schedule: Callable[[int], int | None] | None = None):
+                 gates: Sequence[int] | None = None, schedule: Callable[[int], int | None] | None = None,
+                 fused: bool = True):
         self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
+        self.fused = fused and m2r2.can_fuse  # fast checks ride along the slow stream's layer passes
         self.tau, self.source, self.rule, self.schedule = tau, source, rule, schedule
         self.intervals = m2r2.config.intervals()
         allowed = set(m2r2.config.gates if gates is None else gates)
@@ -50,18 +57,36 @@ class EarlyExit:
         self.layer_passes = 0
         self.token_layers = 0
 
+    def _join(self, h: mx.array, i: int) -> mx.array:
+        """Pending tokens whose slow stream stopped at layer i join the chunk there (in front: earlier positions)."""
+        joining = [s for c, s in self.pending if c == i]
+        if not joining:
+            return h
+        self.pending = [(c, s) for c, s in self.pending if c != i]
+        return mx.concatenate(joining + [h], axis=1)
+
     def _slow(self, h: mx.array, start: int, stop: int) -> mx.array:
         """Slow stream on the chunk from layer ``start`` to ``stop``; pending tokens join at their layer."""
         layers = self.cache.layers
         for i in range(start, stop):
-            joining = [s for c, s in self.pending if c == i]
-            if joining:  # earlier positions than the chunk's: they go in front
-                self.pending = [(c, s) for c, s in self.pending if c != i]
-                h = mx.concatenate(joining + [h], axis=1)
+            h = self._join(h, i)
             h = self.parts.layers[i](h, self.parts.mask(h, layers[i]), cache=layers[i])
             self.layer_passes += 1
             self.token_layers += h.shape[1]
         return h
+
+    def _fused(self, h: mx.array, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        """Slow chunk and the new token's fast stream through one interval, one pass per layer.
+
+        The fast stream restarts from the new token's slow state at ``start``; it sees every
+        earlier position at each layer, pending ones included (they are in the chunk)."""
+        layers, fast = self.cache.layers, h[:, -1:]
+        for i in range(start, stop):
+            h = self._join(h, i)
+            h, fast = self.m2r2.fused_layer(i, h, fast, layers[i])
+            self.layer_passes += 1
+            self.token_layers += h.shape[1] + 1
+        return h, fast
 
     def _settle(self, h: mx.array, layer: int) -> None:
         """After a forward that stopped at ``layer``: every token in the chunk is pending from there."""
@@ -79,7 +104,10 @@ class EarlyExit:
             pos = start
             if (forced != stop) if self.schedule else not self.check[j]:
                 continue
-            if self.source == "m2r2":
+            if self.source == "m2r2" and self.fused:
+                h, h_exit = self._fused(h, pos, stop)  # the slow stream advances too: no layer is read twice
+                pos = stop
+            elif self.source == "m2r2":
                 # tokens still pending below a layer are missing from its cache: shift the fast stream's position
                 shift = {i: sum(c <= i for c, _ in self.pending) for i in range(start, stop)}
                 h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift)
@@ -123,6 +151,7 @@ def early_exit_generate(
     seed: int | None = None,
     context_length: int | None = None,
     stats: dict | None = None,
+    fused: bool = True,
 ) -> Iterator[TokenEvent]:
     """Decode with dynamic early exit; each event's ``exit_layer`` is the gate its token left at."""
     if seed is not None:
@@ -130,7 +159,7 @@ def early_exit_generate(
     s = Sampling(temperature, top_p)
     pick = (lambda lg: int(mx.argmax(lg).item())) if s.greedy else (lambda lg: sample_from(sampling_probs(lg, s)))
     cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length)
-    walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule)
+    walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused)
     exit_layer = walker.L
     try:
         while True:

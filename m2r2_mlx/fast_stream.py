@@ -62,6 +62,33 @@ class SlowKVView:
         return mx.concatenate([past_k, keys], axis=2), mx.concatenate([past_v, values], axis=2)
 
 
+class FusedKV:
+    """A layer's cache when the slow chunk (batch row 0) and one fast-stream token (row 1) share a pass.
+
+    Row 0's keys/values are stored as any slow forward stores them. Row 1 sees the same
+    earlier positions (the cache plus the chunk's earlier tokens, slow) and its own fast
+    key/value at the last position, never the slow twin of itself: what SlowKVView gives
+    a fast token, read in the pass that reads the layer's weights for the slow chunk anyway.
+    Row 1 is left-padded to the chunk's length, so its last position is the new token's.
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.cache.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        k0, v0 = self.cache.update_and_fetch(keys[:1], values[:1])
+        k1 = mx.concatenate([k0[..., :-1, :], keys[1:, :, -1:]], axis=2)
+        v1 = mx.concatenate([v0[..., :-1, :], values[1:, :, -1:]], axis=2)
+        return mx.concatenate([k0, k1], axis=0), mx.concatenate([v0, v1], axis=0)
+
+
 class ParallelKV:
     """Training-time twin of SlowKVView over a whole sequence at once.
 
@@ -113,6 +140,23 @@ class M2R2Model(nn.Module):
                 out = self.parts.layers[i](h, mask, cache=views[i])
                 h = out + self.adapters[i](h) if self.adapters else out
         return h
+
+    def fused_layer(self, i: int, slow: mx.array, fast: mx.array, cache) -> tuple[mx.array, mx.array]:
+        """Layer i on the slow chunk (1, n, D) and one fast token (1, 1, D) in one pass (FusedKV):
+        the fast check costs no extra read of the layer's weights. Bottleneck adapters only
+        (a LoRA delta inside the layer would touch the slow row too)."""
+        n = slow.shape[1]
+        if n > 1:
+            fast_row = mx.concatenate([mx.zeros((1, n - 1, fast.shape[-1]), dtype=fast.dtype), fast], axis=1)
+        else:
+            fast_row = fast
+        out = self.parts.layers[i](mx.concatenate([slow, fast_row], axis=0), self.parts.mask(slow, cache),
+                                   cache=FusedKV(cache))
+        return out[:1], out[1:, -1:] + self.adapters[i](fast)
+
+    @property
+    def can_fuse(self) -> bool:
+        return bool(self.adapters)
 
     # ---- decode time -------------------------------------------------------------------
     def fast_exit_state(self, h_start: mx.array, gate_index: int, cache_layers, shift: dict | None = None) -> mx.array:

@@ -34,6 +34,7 @@ from .losses import gate_loss, teacher_targets
 
 CHECKPOINT = "checkpoint"
 DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
+DISTILL_LOG = "distilled.jsonl"  # answers as they finish, for resuming an interrupted self-distillation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", nargs="*", default=[], help="plain text files")
     p.add_argument("--prompts", help="jsonl of prompts; the base model's own answers are generated first (self-distillation)")
     p.add_argument("--answer-tokens", type=int, default=160, help="most tokens per self-distilled answer")
+    p.add_argument("--data", metavar="ROWS.npy", help="train on the token rows of an earlier run (its data.npy) instead of "
+                   "--text/--prompts")
     p.add_argument("--gates", help="comma-separated exit layers, e.g. 6,12,18,24 (default: every --every layers)")
     p.add_argument("--every", type=int, default=6, help="gate spacing when --gates is not given (default 6)")
     p.add_argument("--rank", type=int, default=64, help="adapter bottleneck rank (default 64)")
@@ -68,17 +71,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_rows(args, lm, out: Path) -> np.ndarray:
-    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy)."""
+    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy, or given by --data)."""
     from tqdm.auto import tqdm
 
+    if args.data:
+        path = Path(args.data)
+        if not path.is_file():
+            raise M2R2Error(f"--data {path} not found; pass the data.npy of an earlier m2r2-train output folder")
+        rows = np.load(path)
+        if rows.ndim != 2 or rows.shape[1] != args.seq_len:
+            raise M2R2Error(f"--data {path} holds rows of shape {rows.shape}, not (N, {args.seq_len}); match --seq-len")
+        return rows
     cache = out / DATA_CACHE
     if cache.is_file():
         return np.load(cache)
     seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
     if args.prompts:
-        prompts = read_prompts(args.prompts)
-        with tqdm(total=len(prompts), desc="self-distilling answers", unit="prompt") as bar:
-            seqs += self_distill(lm, prompts, args.answer_tokens, progress=bar.update)
+        conversations = read_prompts(args.prompts)
+        with tqdm(total=sum(map(len, conversations)), desc="self-distilling answers", unit="answer") as bar:
+            # answers are logged as they finish: an interrupted run resumes here without losing them
+            transcripts = self_distill(lm, conversations, args.answer_tokens, log_path=out / DISTILL_LOG,
+                                       progress=bar.update)
+        seqs += [t.tokens for t in transcripts]
     if not seqs:
         raise M2R2Error("no training data: pass --text FILE... and/or --prompts FILE.jsonl")
     rows = pack_rows(seqs, args.seq_len)
@@ -210,7 +224,7 @@ def train(args) -> Path:
     if args.stage in ("arla", "both"):
         extra["exit_auc"] = train_arla(m2r2, train_rows[: args.arla_rows], eval_rows, args.arla_steps, args.seed)
     m2r2.config.extra = extra
-    save_adapters(m2r2, out, overwrite=True, keep=(DATA_CACHE,))  # the data cache serves a later --stage arla
+    save_adapters(m2r2, out, overwrite=True, keep=(DATA_CACHE, DISTILL_LOG))  # the data serves a later --stage arla or --data
     draft_vocab_from(rows, out, lm)
     for j, g in enumerate(metrics["gates"]):
         print(f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "

@@ -52,14 +52,15 @@ def mixed(i):  # exits at every depth in turn, and full passes between them
     return [2, 6, None, 4, 2, 2, None, 6][i % 8]
 
 
-@pytest.mark.parametrize("source, schedule", [("m2r2", None), ("naive", None), ("m2r2", mixed), ("naive", mixed)])
-def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, schedule):
+@pytest.mark.parametrize("source, schedule, fused", [("m2r2", None, True), ("m2r2", None, False), ("naive", None, True),
+                                                     ("m2r2", mixed, True), ("m2r2", mixed, False), ("naive", mixed, True)])
+def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, schedule, fused):
     model = tiny_m2r2.base
     exits = set()
     for prompt in PROMPTS:
         cache = PromptCache(model)
         events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, source=source, cache=cache,
-                                          schedule=schedule, max_tokens=16))
+                                          schedule=schedule, max_tokens=16, fused=fused))
         exits |= {e.exit_layer for e in events[1:]}
         assert cache.tokens == prompt + [e.token for e in events[:-1]]
         assert_cache_is_full_models(model, cache)
@@ -86,3 +87,40 @@ def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
     turn2 = cache.tokens + [events[-1].token, 50, 51]
     ev = next(iter(early_exit_generate(tiny_m2r2, lm.tokenizer, turn2, tau=1.01, cache=cache, max_tokens=2)))
     assert ev.prefill_tokens == 3
+
+
+def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m2r2):
+    """The fused pass gives the new token the fast state the trainer defines (ParallelKV over the whole
+    sequence), also when earlier tokens are still pending in the interval's layers."""
+    from m2r2_mlx.early_exit import EarlyExit
+
+    m, model = tiny_m2r2, tiny_m2r2.base
+    (g1, g2, g3), prompt = m.config.gates, PROMPTS[2]
+    cache = full_cache(model, prompt[:-1])
+    walker = EarlyExit(m, cache, tau=0.0, schedule=lambda i: g2)  # every token leaves at g2: pending from there
+    for i, tok in enumerate([prompt[-1], 40, 41]):
+        walker.step(tok, i)
+    assert [c for c, _ in walker.pending] == [g2, g2, g2]
+    new = 42
+    cache.record(new)
+    h = walker._slow(m.parts.embed(mx.array([[new]])), 0, g2)  # the pending tokens join at g2, not before
+    assert len(walker.pending) == 3
+    slow, fast = walker._fused(h, g2, g3)
+    assert slow.shape[1] == 4 and not walker.pending  # the three pending tokens rode along
+    ids = mx.array([cache.tokens])
+    states, _, kv = m.slow_pass(ids)
+    ref = m.fast_states(states, kv)[2][:, -1:]
+    np.testing.assert_allclose(np.array(fast), np.array(ref), atol=1e-4)
+    np.testing.assert_allclose(np.array(slow[:, -1:]), np.array(states[g3][:, -1:]), atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_and_unfused_layer_passes(lm, tiny_m2r2, fused):
+    """Fused checks never read a layer twice: with tau above 1 (no exit) a token costs L passes;
+    the unfused path pays the fast stream's interval on top, for every checked gate."""
+    stats = {}
+    events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=1.01, max_tokens=6, stats=stats,
+                                      fused=fused))
+    steps = len(events) - 1  # the first token comes from the prefill
+    extra = 0 if fused else sum(b - a for a, b in tiny_m2r2.config.intervals())
+    assert stats["layer_passes"] == steps * (8 + extra)

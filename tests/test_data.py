@@ -1,0 +1,53 @@
+"""Training data: prompt files, multi-turn self-distillation on the real model, resuming an interrupted run."""
+
+import json
+
+import pytest
+
+from m2r2_mlx.data import DistillLog, read_prompts, self_distill
+from m2r2_mlx.errors import M2R2Error
+
+
+def test_read_prompts_takes_prompts_and_turns_and_names_bad_lines(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps({"prompt": "Hi"}) + "\n\n" + json.dumps({"turns": ["A?", "B?"], "category": "qa"}) + "\n")
+    assert read_prompts(good) == [["Hi"], ["A?", "B?"]]
+    for bad in ('{"turns": []}', '{"turns": [1]}', '{"text": "x"}', "not json"):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"prompt": "ok"}) + "\n" + bad + "\n")
+        with pytest.raises(M2R2Error, match=r"bad.jsonl:2 "):
+            read_prompts(path)
+
+
+def test_distill_log_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = DistillLog(path)
+    log.add(0, 0, [1, 2, 3])
+    log.add(1, 0, [4])
+    with path.open("a") as f:
+        f.write('{"i": 2, "turn": 0, "ans')  # the process died mid-write
+    assert DistillLog(path).done == {(0, 0): [1, 2, 3], (1, 0): [4]}
+
+
+def test_multi_turn_self_distillation_and_resume(lm, tmp_path):
+    tok = lm.tokenizer
+    conversations = [["Name a colour."], ["Name a fruit.", "Why is it good for you?"]]
+    log = tmp_path / "distilled.jsonl"
+    first = self_distill(lm, conversations, 12, log_path=log)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3  # one answer per user turn
+
+    one, two = first
+    # a transcript is the templated conversation, then the last answer's own token ids
+    assert one.tokens[: one.prompt_len] == tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                                                    add_generation_prompt=True)
+    assert 1 <= len(one.tokens) - one.prompt_len <= 12
+    first_answer = json.loads(lines[[json.loads(l)["i"] for l in lines].index(1)])["answer"]
+    history = tok.decode(two.tokens[: two.prompt_len])
+    assert tok.decode([t for t in first_answer if t not in tok.eos_token_ids]).strip() in history
+    assert history.count("Why is it good for you?") == 1 and history.endswith("assistant\n")
+
+    # rerun: everything comes from the log, nothing is generated again
+    again = self_distill(lm, conversations, 12, log_path=log)
+    assert [t.tokens for t in again] == [t.tokens for t in first]
+    assert log.read_text().splitlines() == lines
