@@ -31,7 +31,7 @@ PEFT_LAYOUT = "peft-lora"
 DEFAULT_EVERY = 6  # m2r2-train's default gate spacing
 _LAYER = re.compile(r"^(?:adapters|lora)\.(\d+)\.")
 # the form fields an m2r2_config.json beside an own-layout checkpoint may set
-_FORM_FIELDS = ("adapter_form", "adapter_rank", "arla", "arla_dim", "lora_targets", "lora_scale")
+_FORM_FIELDS = ("adapter_form", "adapter_rank", "arla", "arla_dim", "arla_exit_stats", "lora_targets", "lora_scale")
 
 
 @dataclass
@@ -143,7 +143,8 @@ def _infer_own_form(ckpt: Checkpoint) -> dict:
                         "they were trained with beside it (it names the targets and scale)")
     fields = {"adapter_rank": _dim(ckpt, "adapters.0.down.weight", 0)}
     if any(n.startswith("arla.") for n in ckpt.tensors):
-        fields.update(arla=True, arla_dim=_dim(ckpt, "arla.proj.weight", 0))
+        fields.update(arla=True, arla_dim=_dim(ckpt, "arla.proj.weight", 0),
+                      arla_exit_stats="arla.exit_proj.weight" in ckpt.tensors)
     return fields
 
 

@@ -50,18 +50,20 @@ class BottleneckAdapter(nn.Module):
 class ARLA(nn.Module):
     """Accelerated Residual Latent Attention: the exit logit at gate j from the latents z_1..z_j."""
 
-    def __init__(self, dims: int, latent: int, num_gates: int):
+    def __init__(self, dims: int, latent: int, num_gates: int, exit_stats: bool = False):
         super().__init__()
         self.norm = RMSNorm(dims)
         self.proj = nn.Linear(dims, latent)
+        self.exit_proj = nn.Linear(3, latent) if exit_stats else None  # (max prob, margin, entropy / log V)
         self.depth = nn.Parameter(torch.zeros(num_gates, latent))
         self.query = nn.Linear(latent, latent, bias=False)
         self.key = nn.Linear(2 * latent, latent, bias=False)
         self.value = nn.Linear(2 * latent, latent, bias=False)
         self.out = nn.Linear(2 * latent, 1)
 
-    def latent(self, h_gate: torch.Tensor, j: int) -> torch.Tensor:
-        return self.proj(self.norm(h_gate)) + self.depth[j]
+    def latent(self, h_gate: torch.Tensor, j: int, stats: torch.Tensor | None = None) -> torch.Tensor:
+        z = self.proj(self.norm(h_gate)) + self.depth[j]
+        return z if self.exit_proj is None else z + self.exit_proj(stats)
 
     def forward(self, zs: torch.Tensor) -> torch.Tensor:
         vel = torch.cat([torch.zeros_like(zs[..., :1, :]), zs[..., 1:, :] - zs[..., :-1, :]], dim=-2)
@@ -75,10 +77,10 @@ class ARLA(nn.Module):
 class M2R2Adapters(nn.Module):
     """What an adapters folder holds (bottleneck form), under the MLX names: adapters.{i}.*, arla.*."""
 
-    def __init__(self, dims: int, rank: int, gates: list[int], arla_dim: int | None = None):
+    def __init__(self, dims: int, rank: int, gates: list[int], arla_dim: int | None = None, arla_exit_stats: bool = False):
         super().__init__()
         self.adapters = nn.ModuleList(BottleneckAdapter(dims, rank) for _ in range(gates[-1]))
-        self.arla = ARLA(dims, arla_dim, len(gates)) if arla_dim else None
+        self.arla = ARLA(dims, arla_dim, len(gates), arla_exit_stats) if arla_dim else None
 
 
 class LoRADelta(nn.Module):

@@ -4,6 +4,11 @@ At gate j the fast-stream residual is projected to a small latent z_j (plus a
 learned per-gate embedding). One attention head, queried by z_j, reads the
 token's trajectory z_1..z_j together with its velocities z_j - z_(j-1); its
 output and z_j give one logit, p_exit(j) = sigmoid(logit).
+
+With ``exit_stats`` the latent also carries three numbers read off the gate's exit
+distribution (max probability, its margin over the runner-up, normalised entropy),
+projected into the same latent space: the trajectory then shows how the exit's own
+certainty moves from gate to gate, which the residual alone shows only indirectly.
 """
 
 from __future__ import annotations
@@ -14,13 +19,28 @@ import mlx.core as mx
 from mlx import nn
 
 
+NUM_EXIT_STATS = 3
+
+
+def exit_stats(logits: mx.array) -> mx.array:
+    """(..., vocab) exit logits -> (..., 3): max probability, margin over the second, entropy / log(vocab)."""
+    logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+    p = mx.exp(logp)
+    top2 = mx.topk(p, 2, axis=-1)
+    first, second = top2.max(-1), top2.min(-1)
+    entropy = -(p * logp).sum(-1) / math.log(logits.shape[-1])
+    return mx.stack([first, first - second, entropy], axis=-1)
+
+
 class ARLA(nn.Module):
     """Accelerated Residual Latent Attention: p_exit at gate j from the token's latent trajectory z_1..z_j."""
 
-    def __init__(self, dims: int, latent: int, num_gates: int):
+    def __init__(self, dims: int, latent: int, num_gates: int, exit_stats: bool = False):
         super().__init__()
         self.norm = nn.RMSNorm(dims)
         self.proj = nn.Linear(dims, latent)
+        if exit_stats:
+            self.exit_proj = nn.Linear(NUM_EXIT_STATS, latent)
         self.depth = mx.zeros((num_gates, latent))  # learned per-gate embedding
         self.query = nn.Linear(latent, latent, bias=False)
         self.key = nn.Linear(2 * latent, latent, bias=False)
@@ -29,9 +49,17 @@ class ARLA(nn.Module):
         # not ``self.latent``: that name is the method below
         self.score_scale = 1 / math.sqrt(latent)
 
-    def latent(self, h_gate: mx.array, j: int) -> mx.array:
-        """z_j from the fast-stream residual at gate j, shape (..., dims) -> (..., latent)."""
-        return self.proj(self.norm(h_gate)) + self.depth[j]
+    @property
+    def exit_stats(self) -> bool:
+        return "exit_proj" in self
+
+    def latent(self, h_gate: mx.array, j: int, stats: mx.array | None = None) -> mx.array:
+        """z_j from the fast-stream residual at gate j, shape (..., dims) -> (..., latent); ``stats``
+        (..., 3) from ``exit_stats`` of the gate's exit logits, when the head reads them."""
+        z = self.proj(self.norm(h_gate)) + self.depth[j]
+        if self.exit_stats:
+            z = z + self.exit_proj(stats)
+        return z
 
     def _keys_values(self, zs: mx.array) -> tuple[mx.array, mx.array]:
         # The first gate has no predecessor: its velocity is exactly zero.

@@ -31,6 +31,7 @@ class M2R2Config:
     adapter_rank: int = 64
     arla_dim: int = 64
     arla: bool = False  # the folder holds ARLA exit-decision weights (arla.*)
+    arla_exit_stats: bool = False  # ARLA's latents also read the exit distribution's statistics (arla.exit_proj)
     lora_targets: list[str] = field(default_factory=list)  # "lora" form: projection names (q_proj, qkv_proj, ...)
     lora_scale: float = 1.0  # "lora" form: delta = lora_scale * B(A(x)), PEFT's lora_alpha / r
     base_model: str = ""

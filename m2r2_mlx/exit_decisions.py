@@ -2,7 +2,8 @@
 
 - confidence: max-softmax of the gate's exit distribution (free);
 - linear probe: one logistic regression per gate on the normed fast-stream state;
-- ARLA (arla.py): attention over the token's latent trajectory z_1..z_j.
+- ARLA (arla.py): attention over the token's latent trajectory z_1..z_j (with the exit
+  distribution's own statistics in each latent, where the head is built to read them).
 
 Label at (token, gate j) = "the exit token at gate j equals the full model's token".
 The frozen work (slow pass, fast stream, exit heads) runs once per row and is cached
@@ -19,28 +20,32 @@ import numpy as np
 
 
 def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None) -> dict:
-    """Per token and gate: fast-stream state (N, J, D), exit confidence (N, J) and label (N, J)."""
+    """Per token and gate: fast-stream state h (N, J, D), exit statistics (N, J, 3: confidence, margin,
+    entropy), confidence (N, J) and label (N, J)."""
+    from .arla import exit_stats
+
     parts = m2r2.parts
-    hs, confs, labels = [], [], []
+    hs, stats, labels = [], [], []
     for i in range(0, len(rows), batch_size):
         ids = mx.array(rows[i : i + batch_size])
         states, final, kv = m2r2.slow_pass(ids)
         target = parts.head(final).argmax(-1)
         fast = m2r2.fast_states(states, kv)
-        h_b, c_b, l_b = [], [], []
+        h_b, s_b, l_b = [], [], []
         for h in fast:
-            probs = mx.softmax(parts.head(h).astype(mx.float32), axis=-1)
-            c_b.append(probs.max(-1))
-            l_b.append(probs.argmax(-1) == target)
+            logits = parts.head(h)
+            s_b.append(exit_stats(logits))
+            l_b.append(logits.argmax(-1) == target)
             h_b.append(h)
-        mx.eval(h_b, c_b, l_b)
+        mx.eval(h_b, s_b, l_b)
         D = h_b[0].shape[-1]
         hs.append(np.stack([np.array(h).reshape(-1, D) for h in h_b], axis=1))
-        confs.append(np.stack([np.array(c).ravel() for c in c_b], axis=1))
+        stats.append(np.stack([np.array(x).reshape(-1, x.shape[-1]) for x in s_b], axis=1))
         labels.append(np.stack([np.array(lb).ravel() for lb in l_b], axis=1))
         if progress:
             progress(len(ids))
-    return {"h": np.concatenate(hs), "confidence": np.concatenate(confs), "label": np.concatenate(labels)}
+    stats = np.concatenate(stats)
+    return {"h": np.concatenate(hs), "stats": stats, "confidence": stats[..., 0], "label": np.concatenate(labels)}
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -75,47 +80,52 @@ class LinearProbes(nn.Module):
         return mx.concatenate([head(x[:, j]) for j, head in enumerate(self.heads)], axis=-1)
 
 
-def arla_logits(arla, h: mx.array) -> mx.array:
-    """ARLA's exit logit at every gate of (N, J, D) fast-stream states."""
-    zs = mx.stack([arla.latent(h[:, j], j) for j in range(h.shape[1])], axis=1)
+def arla_logits(arla, h: mx.array, stats: mx.array) -> mx.array:
+    """ARLA's exit logit at every gate of (N, J, D) fast-stream states with their (N, J, 3) exit statistics."""
+    reads = getattr(arla, "exit_stats", False)
+    zs = mx.stack([arla.latent(h[:, j], j, stats[:, j]) if reads else arla.latent(h[:, j], j) for j in range(h.shape[1])],
+                  axis=1)
     return arla.logits_all(zs)
 
 
-def fit(model, forward, h: np.ndarray, y: np.ndarray, steps: int = 400, batch: int = 512, lr: float = 3e-3,
-        seed: int = 0) -> list[float]:
-    """Binary cross-entropy on every (token, gate); returns the loss curve."""
+def fit(model, forward, inputs: list[np.ndarray], y: np.ndarray, steps: int = 400, batch: int = 512,
+        lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Binary cross-entropy on every (token, gate); ``forward(model, *inputs)``; returns the loss curve."""
     rng = np.random.default_rng(seed)
     opt = optim.AdamW(learning_rate=optim.cosine_decay(lr, steps, lr * 0.05), weight_decay=0.01)
 
-    def loss_fn(m, hb, yb):
-        return nn.losses.binary_cross_entropy(forward(m, hb), yb, with_logits=True, reduction="mean")
+    def loss_fn(m, yb, *xb):
+        return nn.losses.binary_cross_entropy(forward(m, *xb), yb, with_logits=True, reduction="mean")
 
     step = nn.value_and_grad(model, loss_fn)
     losses = []
     for _ in range(steps):
-        idx = rng.integers(0, len(h), min(batch, len(h)))
-        loss, grads = step(model, mx.array(h[idx]), mx.array(y[idx].astype(np.float32)))
+        idx = rng.integers(0, len(y), min(batch, len(y)))
+        loss, grads = step(model, mx.array(y[idx].astype(np.float32)), *(mx.array(x[idx]) for x in inputs))
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, loss)
         losses.append(loss.item())
     return losses
 
 
-def predict(forward, model, h: np.ndarray, chunk: int = 4096) -> np.ndarray:
-    out = [np.array(mx.sigmoid(forward(model, mx.array(h[i : i + chunk])))) for i in range(0, len(h), chunk)]
+def predict(forward, model, inputs: list[np.ndarray], chunk: int = 4096) -> np.ndarray:
+    n = len(inputs[0])
+    out = [np.array(mx.sigmoid(forward(model, *(mx.array(x[i : i + chunk]) for x in inputs)))) for i in range(0, n, chunk)]
     return np.concatenate(out)
 
 
 def train_exit_decisions(m2r2, train_feats: dict, eval_feats: dict, steps: int = 400, seed: int = 0) -> dict:
     """Train ARLA (kept in ``m2r2.arla``) and the per-gate probes; ROC AUC of all three on held-out tokens."""
     mx.random.seed(seed)
+    probe = lambda m, hb: m(hb)  # noqa: E731
     probes = LinearProbes(train_feats["h"].shape[-1], train_feats["h"].shape[1])
-    fit(probes, lambda m, hb: m(hb), train_feats["h"], train_feats["label"], steps, seed=seed)
-    arla_curve = fit(m2r2.arla, arla_logits, train_feats["h"], train_feats["label"], steps, seed=seed)
+    fit(probes, probe, [train_feats["h"]], train_feats["label"], steps, seed=seed)
+    arla_in = lambda f: [f["h"], f["stats"]]  # noqa: E731
+    arla_curve = fit(m2r2.arla, arla_logits, arla_in(train_feats), train_feats["label"], steps, seed=seed)
     scores = {
         "confidence": eval_feats["confidence"],
-        "linear probe": predict(lambda m, hb: m(hb), probes, eval_feats["h"]),
-        "arla": predict(arla_logits, m2r2.arla, eval_feats["h"]),
+        "linear probe": predict(probe, probes, [eval_feats["h"]]),
+        "arla": predict(arla_logits, m2r2.arla, arla_in(eval_feats)),
     }
     y = eval_feats["label"]
     return {
@@ -134,5 +144,8 @@ class ARLARule:
         self.arla = arla
 
     def __call__(self, logits: mx.array, h_exit: mx.array, gate_index: int, trail: list) -> float:
-        trail.append(self.arla.latent(h_exit.reshape(-1), gate_index))
+        from .arla import exit_stats
+
+        stats = exit_stats(logits) if self.arla.exit_stats else None
+        trail.append(self.arla.latent(h_exit.reshape(-1), gate_index, stats))
         return mx.sigmoid(self.arla(mx.stack(trail))).item()

@@ -128,7 +128,7 @@ class M2R2Model(nn.Module):
             self.adapters = [BottleneckAdapter(config.hidden_size, config.adapter_rank) for _ in range(fast)]
             self.lora_switch = LoRASwitch(self.parts.layers, [])
         if config.arla:
-            self.arla = ARLA(config.hidden_size, config.arla_dim, len(config.gates))
+            self.arla = ARLA(config.hidden_size, config.arla_dim, len(config.gates), exit_stats=config.arla_exit_stats)
 
     @property
     def base(self):

@@ -240,8 +240,8 @@ def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, 
     from .exit_decisions import collect_features, train_exit_decisions
 
     cfg = m2r2.config
-    cfg.arla = True
-    m2r2.arla = ARLA(cfg.hidden_size, cfg.arla_dim, len(cfg.gates))
+    cfg.arla, cfg.arla_exit_stats = True, True
+    m2r2.arla = ARLA(cfg.hidden_size, cfg.arla_dim, len(cfg.gates), exit_stats=True)
     with tqdm(total=len(train_rows) + len(eval_rows), desc="ARLA features", unit="row") as bar:
         train_feats = collect_features(m2r2, train_rows, progress=bar.update)
         eval_feats = collect_features(m2r2, eval_rows, progress=bar.update)

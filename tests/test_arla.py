@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
-from m2r2_mlx.arla import ARLA
+from m2r2_mlx.arla import ARLA, exit_stats
 from m2r2_mlx.config import M2R2Config
 from m2r2_mlx.decoders import packaged_adapters
 
@@ -78,3 +78,36 @@ def test_shapes(latent):
     zs = mx.stack([arla.latent(mx.zeros((5, 24)), j) for j in range(3)], axis=-2)
     assert zs.shape == (5, 3, latent)
     assert arla(zs).shape == (5,) and arla.logits_all(zs).shape == (5, 3)
+
+
+def test_exit_stats_of_a_known_distribution():
+    probs = mx.array([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]])
+    stats = np.array(exit_stats(mx.log(probs)))
+    entropy = -(np.array(probs) * np.log(np.array(probs))).sum(-1) / np.log(4)
+    np.testing.assert_allclose(stats, [[0.5, 0.25, entropy[0]], [0.25, 0.0, 1.0]], atol=1e-6)
+
+
+def test_arla_with_exit_stats_reads_them_and_saves_them(tmp_path):
+    """A head built to read the exit statistics learns a label they decide, which the residual alone cannot;
+    its extra weights travel with the adapters folder."""
+    from m2r2_mlx.exit_decisions import arla_logits, fit, predict, roc_auc
+
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(2000, 2, 32)).astype(np.float32)  # carries no information about the label
+    stats = rng.random((2000, 2, 3)).astype(np.float32)
+    y = stats[..., 0] > 0.6
+    aucs = {}
+    for reads in (True, False):
+        mx.random.seed(1)
+        arla = ARLA(32, 8, 2, exit_stats=reads)
+        fit(arla, arla_logits, [h[:1500], stats[:1500]], y[:1500], steps=300, seed=1)
+        p = predict(arla_logits, arla, [h[1500:], stats[1500:]])
+        aucs[reads] = roc_auc(p[:, 1], y[1500:, 1])
+    assert aucs[True] > 0.95 and aucs[False] < 0.65
+
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4], rank=4, arla_dim=8, arla=True)
+    m.config.arla_exit_stats = True
+    m.arla = ARLA(m.config.hidden_size, 8, 2, exit_stats=True)
+    again = load_adapters(lm, save_adapters(m, tmp_path / "ad"))
+    assert again.arla.exit_stats and "arla.exit_proj.weight" in dict(tree_flatten(again.parameters()))

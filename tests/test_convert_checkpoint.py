@@ -101,10 +101,10 @@ def test_reference_llama_equals_mlx_lm(base):
 # ---- own layout: bottleneck adapters + ARLA ---------------------------------------------
 
 
-def random_adapters(dims=64, rank=RANK, gates=GATES, arla_dim=ARLA_DIM, std=0.1, seed=0):
+def random_adapters(dims=64, rank=RANK, gates=GATES, arla_dim=ARLA_DIM, std=0.1, seed=0, arla_exit_stats=True):
     """PyTorch adapters with every weight random, ``up`` included (a fresh ``up`` is zero)."""
     torch.manual_seed(seed)
-    module = ref.M2R2Adapters(dims, rank, gates, arla_dim)
+    module = ref.M2R2Adapters(dims, rank, gates, arla_dim, arla_exit_stats)
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(torch.randn_like(p) * std + (1.0 if name.endswith("norm.weight") else 0.0))
@@ -122,10 +122,13 @@ def assert_same_exits(m2r2, twin, adapters=None, deltas=None, atol=1e-4):
 
 
 def assert_same_arla(m2r2, module, fast, torch_fast):
-    zs = mx.stack([m2r2.arla.latent(h, j) for j, h in enumerate(fast)], axis=-2)
+    assert m2r2.arla.exit_stats  # the converted head reads the exit statistics, as the PyTorch one does
+    stats = [np.random.default_rng(j).random((*h.shape[:-1], 3)).astype(np.float32) for j, h in enumerate(fast)]
+    zs = mx.stack([m2r2.arla.latent(h, j, mx.array(s)) for j, (h, s) in enumerate(zip(fast, stats))], axis=-2)
     got = np.array(m2r2.arla.logits_all(zs))
     with torch.no_grad():
-        tzs = torch.stack([module.arla.latent(h, j) for j, h in enumerate(torch_fast)], dim=-2)
+        tzs = torch.stack([module.arla.latent(h, j, torch.from_numpy(s)) for j, (h, s) in enumerate(zip(torch_fast, stats))],
+                          dim=-2)
         want = np.stack([module.arla(tzs[..., :n, :]).numpy() for n in range(1, len(GATES) + 1)], axis=-1)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
@@ -140,7 +143,7 @@ def test_state_dict_converts_to_the_same_exits_and_arla(base, tmp_path):
     assert "wrote" in r.stdout
     m2r2 = load_adapters(lm, out)  # also checks the recorded base identity
     cfg = m2r2.config
-    assert (cfg.gates, cfg.adapter_rank, cfg.arla, cfg.arla_dim) == (GATES, RANK, True, ARLA_DIM)
+    assert (cfg.gates, cfg.adapter_rank, cfg.arla, cfg.arla_dim, cfg.arla_exit_stats) == (GATES, RANK, True, ARLA_DIM, True)
     assert cfg.base_model == str(folder) and cfg.extra["source_layout"] == "m2r2-pytorch"
     fast, torch_fast = assert_same_exits(m2r2, twin, module.adapters)
     assert_same_arla(m2r2, module, fast, torch_fast)

@@ -80,7 +80,7 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
                         "--arla-steps", "20", "-o", str(tmp_path / "b")], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "b" / "m2r2_config.json").read_text())
-    assert cfg["arla"] and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
+    assert cfg["arla"] and cfg["arla_exit_stats"] and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
     assert "exit ROC AUC" in r.stderr and (tmp_path / "b" / "draft_vocab.json").is_file()
     a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))
