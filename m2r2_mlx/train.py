@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .atomic import atomic_folder
+from .cpu_kernels import fast_kernels
 from .adapters import load_adapters, new_m2r2, save_adapters
 from .data import pack_rows, read_prompts, read_text_files, self_distill
 from .errors import M2R2Error, run_cli
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", metavar="ADAPTERS", help="warm start: begin from this adapters folder (its gates and rank)")
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exact-kernels", action="store_true",
+                   help="on the CPU, keep MLX's own exp-based kernels in self-distillation and training too "
+                        "(default: faster ones with relative error < 1e-6; decoding and evaluation always use MLX's)")
     p.add_argument("--stage", choices=("adapters", "arla", "both"), default="both",
                    help="train the adapters, then ARLA on their exits (both, default); 'arla' trains only ARLA "
                         "on the adapters given by --init or --resume")
@@ -186,7 +190,8 @@ def train(args) -> Path:
         m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank)
     if getattr(m2r2, "arla", None) is not None:
         m2r2.arla.freeze()  # adapter training leaves an inherited ARLA alone; the ARLA stage trains a new one
-    rows = load_rows(args, lm, out)
+    with fast_kernels(not args.exact_kernels):  # self-distillation: data, not decoding
+        rows = load_rows(args, lm, out)
     n_eval = min(args.eval_rows, max(1, len(rows) // 10))
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
     if len(train_rows) < args.batch_size:
@@ -203,7 +208,8 @@ def train(args) -> Path:
     tokens, t0 = 0, time.perf_counter()
     for step in bar:
         ids = mx.array(train_rows[rng.integers(0, len(train_rows), args.batch_size)])
-        loss, kls = trainer.step(ids)
+        with fast_kernels(not args.exact_kernels):
+            loss, kls = trainer.step(ids)
         tokens += ids.size
         bar.set_postfix(loss=f"{loss:.3f}", kl="/".join(f"{k:.2f}" for k in kls),
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
