@@ -84,6 +84,9 @@ def fast_sdpa(queries, keys, values, cache=None, scale: float = 1.0, mask=None, 
     scores = (q @ keys.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
     if isinstance(mask, str):
         mask = mx.arange(S)[None, :] <= mx.arange(L)[:, None] + (S - L)
+    elif mask is not None and mask.ndim > 2:  # (.., H or 1, L, S), e.g. batched prompts' padding masks
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(mask.shape[0], Hk, rep, L, S)
     if mask is not None:
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(-1e30, scores.dtype))

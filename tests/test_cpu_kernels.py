@@ -44,7 +44,11 @@ def test_attention_equals_mlx_for_every_mask(heads, kv_heads, L, S):
     mx.random.seed(1)
     q = mx.random.normal((2, heads, L, 16))
     k, v = mx.random.normal((2, kv_heads, S, 16)), mx.random.normal((2, kv_heads, S, 16))
-    for mask in _masks(L, S):
+    padding = mx.random.uniform(shape=(2, 1, L, S)) > 0.3  # per-sequence masks, as batched prompts have
+    padding[..., -1] = True  # every query sees at least one key
+    per_head = mx.random.uniform(shape=(1, heads, L, S)) > 0.3
+    per_head[..., -1] = True
+    for mask in _masks(L, S) + [padding, per_head, padding[0]]:
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
         got = fast_sdpa(q, k, v, scale=0.25, mask=mask)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, err_msg=str(mask))

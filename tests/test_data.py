@@ -51,3 +51,14 @@ def test_multi_turn_self_distillation_and_resume(lm, tmp_path):
     again = self_distill(lm, conversations, 12, log_path=log)
     assert [t.tokens for t in again] == [t.tokens for t in first]
     assert log.read_text().splitlines() == lines
+
+
+def test_distillation_under_the_cpu_kernels_gives_the_same_answers(lm):
+    """Batched prompts of different lengths (padding masks) through the training kernels: same greedy tokens."""
+    from m2r2_mlx.cpu_kernels import fast_kernels
+
+    conversations = [["Name a colour."], ["Write one sentence about the sea and the wind."], ["What is 7 times 8?"]]
+    exact = self_distill(lm, conversations, 10)
+    with fast_kernels() as on:
+        fast = self_distill(lm, conversations, 10)
+    assert on and [t.tokens for t in fast] == [t.tokens for t in exact]
