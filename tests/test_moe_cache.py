@@ -64,12 +64,17 @@ def test_tokens_identical_to_all_resident_at_every_budget(stores, arch, policy):
         assert cache.stats.hits > 0
 
 
-def test_logits_bitwise_equal_with_prompt_split_into_rounds(stores):
+def test_logits_equal_with_prompt_split_into_rounds(stores):
     x = mx.array([list(range(3, 83))])  # 80 tokens: 160 (token, expert) pairs take mlx-lm's sorted path
     reference = fresh("olmoe")(x)
     for budget in (1.0, 0.5, 0.25):
         model, cache = offloaded("olmoe", stores, budget)
-        assert mx.array_equal(model(x), reference).item(), budget
+        logits = model(x)
+        if budget == 1.0:  # one round: the very same gathered matmul, so the very same bits
+            assert mx.array_equal(logits, reference).item()
+        else:  # rounds hand the BLAS fewer rows per call; some CPUs' kernels then round the last bit differently
+            np.testing.assert_allclose(np.array(logits), np.array(reference), rtol=1e-5, atol=1e-5, err_msg=str(budget))
+            assert mx.array_equal(mx.argmax(logits, -1), mx.argmax(reference, -1)).item(), budget
         assert len(cache.begin_layer(0, mx.zeros((80, 64)), range(8))) == 8 // cache.slots_per_layer[0]
 
 

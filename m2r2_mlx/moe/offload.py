@@ -45,7 +45,8 @@ class CachedSwitchGLU(nn.Module):
     def _in_rounds(self, x: mx.array, ids: np.ndarray, rounds: list[list[int]]) -> mx.array:
         """More distinct experts than slots (a long prompt at a small budget): S experts at a time.
 
-        Each (token, expert) pair is computed exactly as in one call (same rows, same matmul),
+        Each (token, expert) pair goes through the same matmul as in one call (only the number of
+        rows per call changes, which on some CPUs' BLAS kernels moves the last bit of a logit),
         and each round is evaluated before the next one overwrites the slots.
         """
         cache, layer = self.cache, self.layer
