@@ -24,10 +24,10 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 
 import numpy as np
 
+from m2r2_mlx.adapters import load_adapters
 from m2r2_mlx.atomic import atomic_save_figure
 from m2r2_mlx.decoders import load_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
-from m2r2_mlx.adapters import load_adapters
 from m2r2_mlx.evaluate import answer_agreement, gate_agreement
 from m2r2_mlx.registry import load_model
 

