@@ -86,13 +86,13 @@ def _main() -> int:
 
     from m2r2_mlx.data import self_distill
 
+    if args.rows is not None and not args.rows.is_file():
+        raise M2R2Error(f"{args.rows} not found; pass the data.npy a training run wrote into its output folder")
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the gate agreement benchmark")
     qs = select_questions(args.questions, "all", args.per_category)
     prompts = [q["turns"][0] for q in qs]
     baseline = load_adapters(lm, args.baseline) if args.baseline else None
-    if args.rows is not None and not args.rows.is_file():
-        raise M2R2Error(f"{args.rows} not found; pass the data.npy a training run wrote into its output folder")
     transcripts = self_distill(lm, [[p] for p in prompts], args.answer_tokens)
     sequences = [(t.tokens, t.prompt_len) for t in transcripts]
 
