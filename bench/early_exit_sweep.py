@@ -5,7 +5,8 @@
 Methods (all with deferred KV fill): M2R2 fast-stream exits decided by ARLA (when the
 adapters have it) or by max-softmax confidence; naive early exit (the slow state's own
 exit) with a confidence threshold; SkipDecode-style fixed schedules (the exit gate falls
-with the position in the answer). Per setting, on Spec-Bench first turns (greedy):
+with the position in the answer). Threshold checks score the exit over the adapters' exit
+vocabulary (config ``exit_vocab``, as ARLA was trained) when they have one. Per setting, on Spec-Bench first turns (greedy):
 - layer passes saved: 1 - layer passes / (decoded tokens x layers), fast-stream checks and
   deferred fills counted (a fused fast-stream check shares the slow stream's pass). A pass reads a layer's weights once whatever its chunk size, the
   cost of a memory-bound decoder; the arithmetic (token-layers) is never below plain
@@ -52,9 +53,10 @@ def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
         for checked in (g[:1], g[:2], g):
             for tau in taus:
                 out[f"{name}, gates {'/'.join(map(str, checked))}", f"tau {tau:g}"] = dict(
-                    source=source, rule=rule, tau=tau, gates=checked)
+                    source=source, rule=rule, tau=tau, gates=checked, exit_head=m2r2.exit_head)
     for tau in taus:
-        out["naive + confidence", f"tau {tau:g}"] = dict(source="naive", rule=confidence, tau=tau)
+        out["naive + confidence", f"tau {tau:g}"] = dict(source="naive", rule=confidence, tau=tau,
+                                                         exit_head=m2r2.exit_head)
     for floor in m2r2.config.gates[::-1]:
         gates = [g for g in m2r2.config.gates if g >= floor]
 
@@ -153,7 +155,8 @@ def _main() -> int:
                      "speedup": (a["tokens"] / a["secs"]) / plain_rate})
     lines = ["# Dynamic early exit: quality vs compute\n",
              f"`python -m bench.early_exit_sweep {' '.join(sys.argv[1:])}`; {len(qs)} Spec-Bench first turns, greedy, "
-             f"float32, {blas_info().name} BLAS; plain decoding {plain_rate:.1f} tokens/s in the same run.\n",
+             f"float32, {blas_info().name} BLAS; plain decoding {plain_rate:.1f} tokens/s in the same run; threshold "
+             f"checks score exits over {len(m2r2.exit_head) if m2r2.exit_head else 'all'} tokens of the vocabulary.\n",
              "| method | setting | layer passes saved | exit-depth saved | token agreement | ROUGE-L vs full | speedup |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['setting']} | {100 * r['saved']:.1f}% | {100 * r['depth_saved']:.1f}% | "

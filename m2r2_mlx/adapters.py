@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .atomic import atomic_folder, refuse_existing
-from .base_model import BaseParts, config_hash
+from .base_model import BaseParts, SubsetHead, config_hash
 from .config import ADAPTERS_FILE, M2R2Config, even_gates
 from .errors import M2R2Error
 from .fast_stream import M2R2Model
@@ -62,4 +62,8 @@ def load_adapters(lm, folder: str | Path) -> M2R2Model:
     except Exception as e:
         raise M2R2Error(f"{path} cannot be loaded ({type(e).__name__}: {str(e)[:120]}); it is missing, truncated or from another config") from None
     mx.eval(m2r2.parameters())
+    if cfg.exit_vocab:
+        from .draft_vocab import load_draft_vocab
+
+        m2r2.exit_head = SubsetHead(m2r2.parts, load_draft_vocab(folder, cfg.exit_vocab))
     return m2r2

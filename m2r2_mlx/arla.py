@@ -23,13 +23,21 @@ NUM_EXIT_STATS = 3
 
 
 def exit_stats(logits: mx.array) -> mx.array:
-    """(..., vocab) exit logits -> (..., 3): max probability, margin over the second, entropy / log(vocab)."""
-    logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
-    p = mx.exp(logp)
-    top2 = mx.topk(p, 2, axis=-1)
-    first, second = top2.max(-1), top2.min(-1)
-    entropy = -(p * logp).sum(-1) / math.log(logits.shape[-1])
-    return mx.stack([first, first - second, entropy], axis=-1)
+    """(..., vocab) exit logits -> (..., 3): max probability, margin over the second, entropy / log(vocab).
+
+    One exp over the vocabulary (it is the costly part on a CPU): with e = exp(x - max) and
+    Z = sum(e), p_max = 1 / Z and entropy = log Z - sum(e * (x - max)) / Z.
+    """
+    x = logits.astype(mx.float32)
+    top2 = mx.topk(x, 2, axis=-1)
+    first = top2.max(-1, keepdims=True)
+    centred = x - first
+    e = mx.exp(centred)
+    z = e.sum(-1)
+    p_first = 1 / z
+    p_second = mx.exp(top2.min(-1) - first[..., 0]) / z
+    entropy = (mx.log(z) - (e * centred).sum(-1) / z) / math.log(logits.shape[-1])
+    return mx.stack([p_first, p_first - p_second, entropy], axis=-1)
 
 
 class ARLA(nn.Module):

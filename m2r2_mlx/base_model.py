@@ -50,9 +50,13 @@ class BaseParts:
         h = self.inner.norm(h)
         return self.inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
 
+    @property
+    def head_weight(self) -> mx.array:
+        return self.inner.embed_tokens.weight if self.tied else self.model.lm_head.weight
+
     def head_rows(self, h: mx.array, rows: mx.array) -> mx.array:
         """Logits for a subset of the vocabulary only (``rows``): the LM head's cost shrinks with it."""
-        weight = self.inner.embed_tokens.weight if self.tied else self.model.lm_head.weight
+        weight = self.head_weight
         if weight.dtype == mx.uint32:  # a quantized head: no cheap row gather, use the full one
             return self.head(h)[..., rows]
         return self.inner.norm(h) @ weight[rows].T
@@ -71,3 +75,35 @@ def config_hash(config: dict) -> str:
     keys = sorted(k for k in config if not k.startswith("_") and k not in ("torch_dtype", "transformers_version", "quantization", "quantization_config"))
     blob = json.dumps({k: config[k] for k in keys}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class SubsetHead:
+    """Final norm + LM head over a fixed subset of the vocabulary, for decoding one token at a time.
+
+    The subset's rows of the head are gathered once (4,096 of SmolLM2's 49,152: 9 MB of the
+    113 MB a full head reads per call), so each call reads only those. Logit k belongs to
+    token ``ids[k]``.
+    """
+
+    def __init__(self, parts: BaseParts, ids):
+        self.parts = parts
+        self.ids = mx.array(list(ids))
+        self.vocab_size = int(parts.model.args.vocab_size)
+        weight = parts.head_weight
+        self.weight = None if weight.dtype == mx.uint32 else weight[self.ids]  # quantized: full head, then pick
+        if self.weight is not None:
+            mx.eval(self.weight)
+
+    def __len__(self) -> int:
+        return self.ids.size
+
+    def __call__(self, h: mx.array) -> mx.array:
+        if self.weight is None:
+            return self.parts.head(h)[..., self.ids]
+        return self.parts.inner.norm(h) @ self.weight.T
+
+    def full(self, logits: mx.array) -> mx.array:
+        """Subset logits spread over the whole vocabulary, -inf elsewhere (a distribution on the subset)."""
+        out = mx.full((self.vocab_size,), -mx.inf, dtype=logits.dtype)
+        out[self.ids] = logits.reshape(-1)
+        return out

@@ -32,6 +32,9 @@ class M2R2Config:
     arla_dim: int = 64
     arla: bool = False  # the folder holds ARLA exit-decision weights (arla.*)
     arla_exit_stats: bool = False  # ARLA's latents also read the exit distribution's statistics (arla.exit_proj)
+    # Exits are scored over the first exit_vocab tokens of draft_vocab.json (the most frequent ones), as ARLA
+    # was trained: a check then reads 4,096 rows of the LM head, not all of them. 0: the full vocabulary.
+    exit_vocab: int = 0
     lora_targets: list[str] = field(default_factory=list)  # "lora" form: projection names (q_proj, qkv_proj, ...)
     lora_scale: float = 1.0  # "lora" form: delta = lora_scale * B(A(x)), PEFT's lora_alpha / r
     base_model: str = ""

@@ -112,7 +112,7 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         from .early_exit import early_exit_generate
 
         m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
-        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2))
+        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2), exit_head=m2r2.exit_head)
         decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
         return decode
     from .speculative import speculative_generate

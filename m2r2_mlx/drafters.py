@@ -14,6 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from .base_model import SubsetHead
 from .sampling import Sampling, sampling_probs
 
 
@@ -22,7 +23,7 @@ class LayerDrafter:
                  adapters: bool = True):
         self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
-        self.rows = None if vocab is None else mx.array(list(vocab))
+        self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
         self.vocab_size = int(m2r2.parts.model.args.vocab_size)
         self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
 
@@ -30,7 +31,7 @@ class LayerDrafter:
         drafts, qs = [], []
         cur = token
         while len(drafts) < limit:
-            logits = self.m2r2.draft_logits(mx.array(cur), self.gate_index, cache.layers, rows=self.rows,
+            logits = self.m2r2.draft_logits(mx.array(cur), self.gate_index, cache.layers, head=self.head,
                                             adapters=self.adapters)
             if s.greedy:
                 probs = mx.softmax(logits.astype(mx.float32))
@@ -38,9 +39,9 @@ class LayerDrafter:
             else:
                 probs = sampling_probs(logits, s)
                 i = mx.random.categorical(mx.log(probs))
-                qs.append(probs if self.rows is None else mx.zeros((self.vocab_size,)).at[self.rows].add(probs))
+                qs.append(probs if self.head is None else mx.zeros((self.vocab_size,)).at[self.head.ids].add(probs))
             conf = probs[i]
-            d = self.rows[i] if self.rows is not None else i
+            d = self.head.ids[i] if self.head is not None else i
             d, conf = int(d.item()), conf.item()
             drafts.append(d)
             cur = d

@@ -43,8 +43,11 @@ class EarlyExit:
 
     def __init__(self, m2r2, cache: PromptCache, *, tau: float, source: str = "m2r2", rule: Callable = confidence,
                  gates: Sequence[int] | None = None, schedule: Callable[[int], int | None] | None = None,
-                 fused: bool = True):
+                 fused: bool = True, exit_head=None):
         self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
+        # A check scores the exit over exit_head's vocabulary subset (a SubsetHead; None: the full head):
+        # a check that does not exit then costs a fraction of a full head's read.
+        self.exit_head = exit_head
         self.fused = fused and m2r2.can_fuse  # fast checks ride along the slow stream's layer passes
         self.tau, self.source, self.rule, self.schedule = tau, source, rule, schedule
         self.intervals = m2r2.config.intervals()
@@ -116,10 +119,10 @@ class EarlyExit:
             else:
                 h = self._slow(h, pos, stop)
                 pos, h_exit = stop, h[:, -1:]
-            logits = self.parts.head(h_exit)[0, -1]
+            logits = (self.exit_head or self.parts.head)(h_exit)[0, -1]
             if self.schedule or self.rule(logits, h_exit, j, trail) >= self.tau:
                 self._settle(h, pos)
-                return logits, stop
+                return (self.exit_head.full(logits) if self.exit_head else logits), stop
         h = self._slow(h, pos, self.L)
         return self.parts.head(h[:, -1:])[0, -1], self.L
 
@@ -152,14 +155,17 @@ def early_exit_generate(
     context_length: int | None = None,
     stats: dict | None = None,
     fused: bool = True,
+    exit_head=None,
 ) -> Iterator[TokenEvent]:
-    """Decode with dynamic early exit; each event's ``exit_layer`` is the gate its token left at."""
+    """Decode with dynamic early exit; each event's ``exit_layer`` is the gate its token left at.
+    ``exit_head`` (a SubsetHead, e.g. ``m2r2.exit_head``) scores the exits over a vocabulary subset."""
     if seed is not None:
         mx.random.seed(seed)
     s = Sampling(temperature, top_p)
     pick = (lambda lg: int(mx.argmax(lg).item())) if s.greedy else (lambda lg: sample_from(sampling_probs(lg, s)))
     cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length)
-    walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused)
+    walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused,
+                       exit_head=exit_head)
     exit_layer = walker.L
     try:
         while True:

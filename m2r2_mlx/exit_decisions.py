@@ -19,12 +19,14 @@ import mlx.optimizers as optim
 import numpy as np
 
 
-def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None) -> dict:
+def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None, exit_ids=None) -> dict:
     """Per token and gate: fast-stream state h (N, J, D), exit statistics (N, J, 3: confidence, margin,
-    entropy), confidence (N, J) and label (N, J)."""
+    entropy), confidence (N, J) and label (N, J). ``exit_ids``: score the exits over these tokens only
+    (as early exit does with ``m2r2.exit_head``); the label still asks for the full model's token."""
     from .arla import exit_stats
 
     parts = m2r2.parts
+    ids_sub = None if exit_ids is None else mx.array(list(exit_ids))
     hs, stats, labels = [], [], []
     for i in range(0, len(rows), batch_size):
         ids = mx.array(rows[i : i + batch_size])
@@ -33,9 +35,10 @@ def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None)
         fast = m2r2.fast_states(states, kv)
         h_b, s_b, l_b = [], [], []
         for h in fast:
-            logits = parts.head(h)
+            logits = parts.head(h) if ids_sub is None else parts.head_rows(h, ids_sub)
             s_b.append(exit_stats(logits))
-            l_b.append(logits.argmax(-1) == target)
+            token = logits.argmax(-1) if ids_sub is None else ids_sub[logits.argmax(-1)]
+            l_b.append(token == target)
             h_b.append(h)
         mx.eval(h_b, s_b, l_b)
         D = h_b[0].shape[-1]

@@ -127,6 +127,7 @@ class M2R2Model(nn.Module):
         else:
             self.adapters = [BottleneckAdapter(config.hidden_size, config.adapter_rank) for _ in range(fast)]
             self.lora_switch = LoRASwitch(self.parts.layers, [])
+        self.exit_head = None  # SubsetHead exits are scored with (config.exit_vocab; None: the full head)
         if config.arla:
             self.arla = ARLA(config.hidden_size, config.arla_dim, len(config.gates), exit_stats=config.arla_exit_stats)
 
@@ -168,14 +169,13 @@ class M2R2Model(nn.Module):
         mask = self.parts.mask(h_start, views[start])
         return self.fast_layers(h_start, start, stop, mask, views)
 
-    def draft_logits(self, token: mx.array, gate_index: int, cache_layers, rows: mx.array | None = None,
-                     adapters: bool = True) -> mx.array:
+    def draft_logits(self, token: mx.array, gate_index: int, cache_layers, head=None, adapters: bool = True) -> mx.array:
         """Exit logits at a gate for one new token, for drafting.
 
         Layers below the interval run as the slow stream (their K/V are the real ones);
         the interval's layers run as the fast stream and write provisional K/V for the
-        drafted position, which verification trims and recomputes. ``rows`` restricts the
-        LM head to a vocabulary subset; ``adapters=False`` gives the naive exit of the slow
+        drafted position, which verification trims and recomputes. ``head`` (a SubsetHead)
+        restricts the LM head to a vocabulary subset; ``adapters=False`` gives the naive exit of the slow
         state at the gate (layer-skip drafting without M2R2).
         """
         start, stop = self.config.intervals()[gate_index]
@@ -186,7 +186,7 @@ class M2R2Model(nn.Module):
         else:
             h = self.parts.run_layers(h, start, stop, None, cache_layers)
         h = h[0, -1]
-        return self.parts.head(h) if rows is None else self.parts.head_rows(h, rows)
+        return self.parts.head(h) if head is None else head(h)
 
     # ---- training time -----------------------------------------------------------------
     def slow_pass(self, ids: mx.array):

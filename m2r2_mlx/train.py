@@ -36,6 +36,7 @@ from .losses import gate_loss, teacher_targets
 CHECKPOINT = "checkpoint"
 DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
 DISTILL_LOG = "distilled.jsonl"  # answers as they finish, for resuming an interrupted self-distillation
+DRAFT_VOCAB = "draft_vocab.json"  # written before the adapters folder is saved: ARLA needs it first
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the adapters given by --init or --resume")
     p.add_argument("--arla-rows", type=int, default=48, help="training rows whose tokens teach ARLA (default 48)")
     p.add_argument("--arla-steps", type=int, default=400, help="ARLA optimisation steps (default 400)")
+    p.add_argument("--exit-vocab", type=int, default=4096,
+                   help="ARLA scores exits over the N most frequent tokens of the data, as early exit will "
+                        "(a check then reads N rows of the LM head); 0: the full vocabulary (default 4096)")
     return p
 
 
@@ -227,19 +231,23 @@ def train(args) -> Path:
     if args.stage != "arla":
         extra.update({"recipe": {k: v for k, v in vars(args).items() if k not in ("resume", "force", "output")},
                       "seconds": round(time.perf_counter() - t0, 1)})
+    vocab = draft_vocab_from(rows, out, lm)
     if args.stage in ("arla", "both"):
-        extra["exit_auc"] = train_arla(m2r2, train_rows[: args.arla_rows], eval_rows, args.arla_steps, args.seed)
+        exit_ids = vocab[: args.exit_vocab] if args.exit_vocab else None
+        with fast_kernels(not args.exact_kernels):  # features are training data, like the distilled answers
+            extra["exit_auc"] = train_arla(m2r2, train_rows[: args.arla_rows], eval_rows, args.arla_steps, args.seed,
+                                           exit_ids)
     m2r2.config.extra = extra
-    save_adapters(m2r2, out, overwrite=True, keep=(DATA_CACHE, DISTILL_LOG))  # the data serves a later --stage arla or --data
-    draft_vocab_from(rows, out, lm)
+    save_adapters(m2r2, out, overwrite=True, keep=(DATA_CACHE, DISTILL_LOG, DRAFT_VOCAB))  # data: for --stage arla / --data
     for j, g in enumerate(metrics["gates"]):
         print(f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
               f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
     return out
 
 
-def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, seed: int) -> dict:
-    """Second stage: ARLA on the trained adapters' exits, with the baselines' ROC AUC beside it."""
+def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, seed: int, exit_ids=None) -> dict:
+    """Second stage: ARLA on the trained adapters' exits, with the baselines' ROC AUC beside it;
+    ``exit_ids``: the vocabulary subset exits are scored over (recorded as config.exit_vocab)."""
     from tqdm.auto import tqdm
 
     from .arla import ARLA
@@ -247,10 +255,11 @@ def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, 
 
     cfg = m2r2.config
     cfg.arla, cfg.arla_exit_stats = True, True
+    cfg.exit_vocab = 0 if exit_ids is None else len(exit_ids)
     m2r2.arla = ARLA(cfg.hidden_size, cfg.arla_dim, len(cfg.gates), exit_stats=True)
     with tqdm(total=len(train_rows) + len(eval_rows), desc="ARLA features", unit="row") as bar:
-        train_feats = collect_features(m2r2, train_rows, progress=bar.update)
-        eval_feats = collect_features(m2r2, eval_rows, progress=bar.update)
+        train_feats = collect_features(m2r2, train_rows, progress=bar.update, exit_ids=exit_ids)
+        eval_feats = collect_features(m2r2, eval_rows, progress=bar.update, exit_ids=exit_ids)
     result = train_exit_decisions(m2r2, train_feats, eval_feats, steps, seed)
     for name, aucs in result["auc"].items():
         print(f"exit ROC AUC, {name:>12s}: " + "  ".join(f"L{g} {a:.3f}" for g, a in zip(cfg.gates, aucs)),
@@ -258,12 +267,13 @@ def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, 
     return result
 
 
-def draft_vocab_from(rows: np.ndarray, out: Path, lm) -> None:
-    """The draft head's vocabulary (draft_vocab.json), counted on the same rows."""
+def draft_vocab_from(rows: np.ndarray, out: Path, lm) -> list[int]:
+    """The draft head's vocabulary (draft_vocab.json), counted on the same rows; its ids, most frequent first."""
     from .draft_vocab import rank_tokens, save_draft_vocab
 
     tokens, cover = rank_tokens(rows, int(lm.config["vocab_size"]))
     save_draft_vocab(out, tokens, cover, source=f"m2r2-train rows: {rows.size} tokens")
+    return tokens
 
 
 def _main() -> int:

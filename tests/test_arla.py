@@ -87,6 +87,17 @@ def test_exit_stats_of_a_known_distribution():
     np.testing.assert_allclose(stats, [[0.5, 0.25, entropy[0]], [0.25, 0.0, 1.0]], atol=1e-6)
 
 
+def test_exit_stats_match_the_softmax_definition_on_wide_logits():
+    """The one-exp form equals max p, its margin and the normalised entropy of softmax(logits)."""
+    x = np.random.default_rng(3).normal(size=(4, 4096)).astype(np.float32) * np.array([[0.1], [2], [8], [30]], np.float32)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.sort(p, -1)
+    entropy = -(p * np.log(np.maximum(p, 1e-38))).sum(-1) / np.log(4096)
+    want = np.stack([top[:, -1], top[:, -1] - top[:, -2], entropy], -1)
+    np.testing.assert_allclose(np.array(exit_stats(mx.array(x))), want, atol=2e-6)
+
+
 def test_arla_with_exit_stats_reads_them_and_saves_them(tmp_path):
     """A head built to read the exit statistics learns a label they decide, which the residual alone cannot;
     its extra weights travel with the adapters folder."""

@@ -124,3 +124,27 @@ def test_fused_and_unfused_layer_passes(lm, tiny_m2r2, fused):
     steps = len(events) - 1  # the first token comes from the prefill
     extra = 0 if fused else sum(b - a for a, b in tiny_m2r2.config.intervals())
     assert stats["layer_passes"] == steps * (8 + extra)
+
+
+def test_exit_head_over_a_vocabulary_subset(lm, tiny_m2r2):
+    """Checks scored over a subset: exited tokens come from it (the subset's own argmax), a check that never
+    exits is plain decoding, and the cache is still the full model's."""
+    from m2r2_mlx.base_model import SubsetHead
+
+    model, parts = tiny_m2r2.base, tiny_m2r2.parts
+    ids = list(range(0, lm.config["vocab_size"], 3))[:200]
+    head = SubsetHead(parts, ids)
+    h = mx.random.normal((1, 1, parts.hidden_size))
+    np.testing.assert_allclose(np.array(head(h)), np.array(parts.head(h)[..., mx.array(ids)]), atol=1e-5)
+    spread = head.full(head(h)[0, -1])
+    assert spread.shape == (lm.config["vocab_size"],) and int(mx.argmax(spread).item()) in ids
+    assert mx.isinf(spread).sum().item() == lm.config["vocab_size"] - len(ids)
+    for prompt in PROMPTS[:2]:
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=12)]
+        never = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=1.01, max_tokens=12, exit_head=head))
+        assert [e.token for e in never] == plain
+        cache = PromptCache(model)
+        always = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, max_tokens=12, exit_head=head,
+                                          cache=cache))
+        assert all(e.token in ids and e.exit_layer == 2 for e in always[1:])
+        assert_cache_is_full_models(model, cache)

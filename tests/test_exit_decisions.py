@@ -53,6 +53,20 @@ def test_arla_learns_exit_labels_and_reports_every_baseline(tiny):
     assert result["arla_loss"][1] < result["arla_loss"][0]  # it learned something about its labels
 
 
+def test_features_over_an_exit_vocabulary(tiny):
+    """Exits scored over a subset: the label asks whether the subset's argmax is the full model's token."""
+    _, m = tiny
+    rows = np.random.default_rng(2).integers(0, 64, size=(4, 16))
+    ids = list(range(0, 64, 2))
+    feats = collect_features(m, rows, exit_ids=ids)
+    states, final, kv = m.slow_pass(mx.array(rows))
+    target = np.array(m.parts.head(final).argmax(-1)).ravel()
+    for j, h in enumerate(m.fast_states(states, kv)):
+        sub = np.array(m.parts.head(h)[..., mx.array(ids)]).reshape(-1, len(ids))
+        np.testing.assert_array_equal(feats["label"][:, j], np.array(ids)[sub.argmax(-1)] == target)
+    assert not feats["label"][np.isin(target, ids, invert=True)].any()  # a token outside the subset never matches
+
+
 def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
     base, m = tiny
     save_adapters(m, tmp_path / "a")
@@ -82,6 +96,8 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     cfg = json.loads((tmp_path / "b" / "m2r2_config.json").read_text())
     assert cfg["arla"] and cfg["arla_exit_stats"] and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
     assert "exit ROC AUC" in r.stderr and (tmp_path / "b" / "draft_vocab.json").is_file()
+    vocab = json.loads((tmp_path / "b" / "draft_vocab.json").read_text())["tokens"]
+    assert cfg["exit_vocab"] == min(4096, len(vocab))  # ARLA learned on exits over the most frequent tokens
     a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))
     assert any(k.startswith("arla.") for k in b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
