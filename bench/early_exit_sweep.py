@@ -156,7 +156,7 @@ def _main() -> int:
     lines = ["# Dynamic early exit: quality vs compute\n",
              f"`python -m bench.early_exit_sweep {' '.join(sys.argv[1:])}`; {len(qs)} Spec-Bench first turns, greedy, "
              f"float32, {blas_info().name} BLAS; plain decoding {plain_rate:.1f} tokens/s in the same run; threshold "
-             f"checks score exits over {len(m2r2.exit_head) if m2r2.exit_head else 'all'} tokens of the vocabulary.\n",
+             f"checks score exits over {'all' if m2r2.exit_head is None else len(m2r2.exit_head)} tokens of the vocabulary.\n",
              "| method | setting | layer passes saved | exit-depth saved | token agreement | ROUGE-L vs full | speedup |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['setting']} | {100 * r['saved']:.1f}% | {100 * r['depth_saved']:.1f}% | "

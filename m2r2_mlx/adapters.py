@@ -65,5 +65,6 @@ def load_adapters(lm, folder: str | Path) -> M2R2Model:
     if cfg.exit_vocab:
         from .draft_vocab import load_draft_vocab
 
-        m2r2.exit_head = SubsetHead(m2r2.parts, load_draft_vocab(folder, cfg.exit_vocab))
+        ids = load_draft_vocab(folder, cfg.exit_vocab, otherwise="set exit_vocab to 0 in its m2r2_config.json")
+        m2r2.exit_head = SubsetHead(m2r2.parts, ids)
     return m2r2

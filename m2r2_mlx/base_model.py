@@ -102,8 +102,9 @@ class SubsetHead:
             return self.parts.head(h)[..., self.ids]
         return self.parts.inner.norm(h) @ self.weight.T
 
-    def full(self, logits: mx.array) -> mx.array:
-        """Subset logits spread over the whole vocabulary, -inf elsewhere (a distribution on the subset)."""
-        out = mx.full((self.vocab_size,), -mx.inf, dtype=logits.dtype)
-        out[self.ids] = logits.reshape(-1)
+    def full(self, values: mx.array, fill: float = -mx.inf) -> mx.array:
+        """Per-subset-token values spread over the whole vocabulary, ``fill`` elsewhere: -inf for logits
+        (a distribution on the subset), 0 for probabilities."""
+        out = mx.full((self.vocab_size,), fill, dtype=values.dtype)
+        out[self.ids] = values.reshape(-1)
         return out

@@ -39,10 +39,11 @@ def save_draft_vocab(folder: str | Path, tokens: Sequence[int], cover: Sequence[
     return atomic_write_text(Path(folder) / FILE, json.dumps(blob))
 
 
-def load_draft_vocab(folder: str | Path, size: int) -> list[int]:
+def load_draft_vocab(folder: str | Path, size: int, otherwise: str = "drop --draft-vocab") -> list[int]:
+    """The ``size`` most frequent token ids; ``otherwise`` completes the error's fix when the file is missing."""
     path = Path(folder) / FILE
     if not path.is_file():
-        raise M2R2Error(f"{folder} has no {FILE}; build it with python -m m2r2_mlx.draft_vocab, or drop --draft-vocab")
+        raise M2R2Error(f"{folder} has no {FILE}; build it with python -m m2r2_mlx.draft_vocab, or {otherwise}")
     tokens = json.loads(path.read_text())["tokens"]
     return tokens[:size]
 

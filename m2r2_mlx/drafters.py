@@ -24,7 +24,6 @@ class LayerDrafter:
         self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
-        self.vocab_size = int(m2r2.parts.model.args.vocab_size)
         self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
 
     def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
@@ -39,7 +38,7 @@ class LayerDrafter:
             else:
                 probs = sampling_probs(logits, s)
                 i = mx.random.categorical(mx.log(probs))
-                qs.append(probs if self.head is None else mx.zeros((self.vocab_size,)).at[self.head.ids].add(probs))
+                qs.append(probs if self.head is None else self.head.full(probs, 0.0))
             conf = probs[i]
             d = self.head.ids[i] if self.head is not None else i
             d, conf = int(d.item()), conf.item()

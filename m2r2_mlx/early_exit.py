@@ -119,10 +119,11 @@ class EarlyExit:
             else:
                 h = self._slow(h, pos, stop)
                 pos, h_exit = stop, h[:, -1:]
-            logits = (self.exit_head or self.parts.head)(h_exit)[0, -1]
+            subset = self.exit_head is not None
+            logits = (self.exit_head if subset else self.parts.head)(h_exit)[0, -1]
             if self.schedule or self.rule(logits, h_exit, j, trail) >= self.tau:
                 self._settle(h, pos)
-                return (self.exit_head.full(logits) if self.exit_head else logits), stop
+                return (self.exit_head.full(logits) if subset else logits), stop
         h = self._slow(h, pos, self.L)
         return self.parts.head(h[:, -1:])[0, -1], self.L
 

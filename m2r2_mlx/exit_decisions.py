@@ -24,9 +24,10 @@ def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None,
     entropy), confidence (N, J) and label (N, J). ``exit_ids``: score the exits over these tokens only
     (as early exit does with ``m2r2.exit_head``); the label still asks for the full model's token."""
     from .arla import exit_stats
+    from .base_model import SubsetHead
 
     parts = m2r2.parts
-    ids_sub = None if exit_ids is None else mx.array(list(exit_ids))
+    subset = None if exit_ids is None else SubsetHead(parts, exit_ids)  # rows gathered once, not per batch
     hs, stats, labels = [], [], []
     for i in range(0, len(rows), batch_size):
         ids = mx.array(rows[i : i + batch_size])
@@ -35,9 +36,9 @@ def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None,
         fast = m2r2.fast_states(states, kv)
         h_b, s_b, l_b = [], [], []
         for h in fast:
-            logits = parts.head(h) if ids_sub is None else parts.head_rows(h, ids_sub)
+            logits = parts.head(h) if subset is None else subset(h)
             s_b.append(exit_stats(logits))
-            token = logits.argmax(-1) if ids_sub is None else ids_sub[logits.argmax(-1)]
+            token = logits.argmax(-1) if subset is None else subset.ids[logits.argmax(-1)]
             l_b.append(token == target)
             h_b.append(h)
         mx.eval(h_b, s_b, l_b)

@@ -167,6 +167,8 @@ def train(args) -> Path:
 
     from .registry import load_model
 
+    if args.exit_vocab < 0:
+        raise M2R2Error(f"--exit-vocab must be 0 (the full vocabulary) or a token count (got {args.exit_vocab})")
     out = Path(args.output)
     ck = out / CHECKPOINT
     if out.exists() and not args.resume and not args.force:

@@ -81,6 +81,26 @@ def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
     assert {e.exit_layer for e in always[1:]} == {2}
 
 
+def test_negative_exit_vocab_is_one_clear_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.train", "--exit-vocab", "-1", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--exit-vocab must be 0" in r.stderr.strip().splitlines()[-1] and not (tmp_path / "o").exists()
+
+
+def test_adapters_whose_exit_vocabulary_file_is_missing_are_refused(tiny, tmp_path):
+    from m2r2_mlx.errors import M2R2Error
+
+    base, m = tiny
+    m.config.exit_vocab = 8
+    try:
+        save_adapters(m, tmp_path / "a")  # no draft_vocab.json beside it
+    finally:
+        m.config.exit_vocab = 0
+    with pytest.raises(M2R2Error, match="no draft_vocab.json.*set exit_vocab to 0"):
+        load_adapters(base, tmp_path / "a")
+
+
 def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     """m2r2-train --stage arla --init: ARLA weights and AUCs land beside the adapters, adapters untouched."""
     text = tmp_path / "t.txt"
