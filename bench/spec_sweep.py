@@ -1,8 +1,9 @@
-"""Choose the speculative defaults by measurement: gate x max draft x confidence threshold x draft vocabulary.
+"""Choose the speculative defaults by measurement: gate x max draft x confidence threshold x draft vocabulary
+x what happens to the draft below the threshold (dropped, or verified as the last one).
 
     python -m bench.spec_sweep --gates 6,12 --drafts 2,4 --thresholds 0,0.3 --draft-vocabs 0,8192 --limit 1
 
-Greedy, batch 1, one warm-up; prompts are Spec-Bench MT-Bench first turns (evaluation only). Every
+Greedy, batch 1, one warm-up; prompts are Spec-Bench first turns (MT-Bench by default; evaluation only). Every
 setting and plain decoding run on each prompt before the next prompt. Per setting: decode tokens/s
 (summed tokens over summed time), speedup over plain in the same run, mean tokens per full-model
 step, and whether every output equals plain greedy's. Writes docs/speculative_sweep.md.
@@ -20,7 +21,7 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.blas import blas_info
 from m2r2_mlx.decoders import make_decoder
-from m2r2_mlx.errors import run_cli
+from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.registry import load_model
 
 from .specbench import SPECBENCH, run_turns, select_questions
@@ -40,19 +41,25 @@ def _main() -> int:
     ap.add_argument("--drafts", default="2,4")
     ap.add_argument("--thresholds", default="0")
     ap.add_argument("--draft-vocabs", default="0", help="0 = the full LM head")
-    ap.add_argument("--limit", type=int, default=1, help="MT-Bench questions per category")
+    ap.add_argument("--unsure", default="verify", help="verify,drop: the draft below the threshold is verified (default) or dropped")
+    ap.add_argument("--categories", default="mt_bench", help="Spec-Bench categories, 'mt_bench' or 'all'")
+    ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=Path("docs/speculative_sweep.md"))
     args = ap.parse_args()
 
     lm = load_model(args.model)
-    qs = select_questions(SPECBENCH, "mt_bench", args.limit)
+    qs = select_questions(SPECBENCH, args.categories, args.limit)
+    unsure = args.unsure.split(",")
+    if bad := [u for u in unsure if u not in ("drop", "verify")]:
+        raise M2R2Error(f"--unsure {','.join(bad)}: choose drop and/or verify")
     grid = list(itertools.product(_ints(args.gates), _ints(args.drafts), [float(t) for t in args.thresholds.split(",")],
-                                  _ints(args.draft_vocabs)))
+                                  _ints(args.draft_vocabs), unsure))
+    grid = [k for k in grid if k[2] > 0 or k[4] == unsure[0]]  # without a threshold no draft is unsure
     decoders = {"plain": make_decoder(lm, "plain")}
-    for g, d, t, v in grid:
-        decoders[g, d, t, v] = make_decoder(lm, "speculative", args.adapters, gate=g, max_draft=d, threshold=t,
-                                            draft_vocab=v)
+    for g, d, t, v, u in grid:
+        decoders[g, d, t, v, u] = make_decoder(lm, "speculative", args.adapters, gate=g, max_draft=d, threshold=t,
+                                               draft_vocab=v, drop_unsure=u == "drop")
     run_turns(lm, decoders["plain"], ["Say hello."], 8)  # warm-up
     results = {k: {"tokens": 0, "secs": 0.0, "acc": [], "same": 0} for k in decoders}
     with tqdm(total=len(qs) * len(decoders), desc="speculative sweep", unit="answer") as bar:
@@ -70,17 +77,18 @@ def _main() -> int:
     rate = {k: r["tokens"] / r["secs"] for k, r in results.items()}
     rows = sorted(grid, key=lambda k: -rate[k])
     lines = ["# Self-speculative sweep\n",
-             f"`python -m bench.spec_sweep {' '.join(sys.argv[1:])}`; {len(qs)} MT-Bench first turns, greedy, float32, "
+             f"`python -m bench.spec_sweep {' '.join(sys.argv[1:])}`; {len(qs)} Spec-Bench first turns ({args.categories}), greedy, float32, "
              f"{blas_info().name} BLAS. Decode tokens/s over all prompts; speedup over plain decoding in the same run; "
              "fastest first.\n",
-             "| draft gate | max draft | threshold | draft vocab | tokens/s | speedup | tokens/step | identical to plain |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| plain | - | - | - | {rate['plain']:.1f} | 1.00x | 1.00 | - |"]
-    for g, d, t, v in rows:
-        r = results[g, d, t, v]
+             "| draft gate | max draft | threshold | draft below it | draft vocab | tokens/s | speedup | tokens/step | identical to plain |",
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| plain | - | - | - | - | {rate['plain']:.1f} | 1.00x | 1.00 | - |"]
+    for key in rows:
+        g, d, t, v, u = key
+        r = results[key]
         acc = sum(r["acc"]) / max(len(r["acc"]), 1)
-        lines.append(f"| L{g} | {d} | {t:g} | {v or 'full'} | {rate[g, d, t, v]:.1f} | "
-                     f"{rate[g, d, t, v] / rate['plain']:.2f}x | {acc:.2f} | {r['same']}/{len(qs)} |")
+        lines.append(f"| L{g} | {d} | {t:g} | {u if t > 0 else '-'} | {v or 'full'} | {rate[key]:.1f} | "
+                     f"{rate[key] / rate['plain']:.2f}x | {acc:.2f} | {r['same']}/{len(qs)} |")
     text = "\n".join(lines) + "\n"
     atomic_write_text(args.out, text)
     print(text)

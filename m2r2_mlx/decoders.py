@@ -48,8 +48,9 @@ def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
 
 
 def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, threshold: float = DEFAULT_THRESHOLD,
-                 draft_vocab: int | None = None):
-    """``draft_vocab``: None = the default size where the adapters have a draft_vocab.json, 0 = the full head."""
+                 draft_vocab: int | None = None, drop_unsure: bool = False):
+    """``draft_vocab``: None = the default size where the adapters have a draft_vocab.json, 0 = the full head;
+    ``drop_unsure``: drop the draft that fell below ``threshold`` instead of verifying it."""
     from .adapters import new_m2r2
     from .config import M2R2Config
     from .drafters import LayerDrafter, PromptLookupDrafter
@@ -78,7 +79,7 @@ def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, thres
             raise M2R2Error("--draft-vocab needs an adapters folder with draft_vocab.json")
         vocab = load_draft_vocab(folder, draft_vocab)
     return LayerDrafter(m2r2, m2r2.config.gates.index(gate), threshold=threshold, vocab=vocab,
-                        adapters=mode == "speculative")
+                        adapters=mode == "speculative", drop_unsure=drop_unsure)
 
 
 def exit_rule(m2r2):
@@ -97,7 +98,7 @@ def exit_rule(m2r2):
 
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
                  gate: int | None = None, max_draft: int = DEFAULT_DRAFT, threshold: float = DEFAULT_THRESHOLD,
-                 draft_vocab: int | None = None, tau: float = 0.9) -> Decoder:
+                 draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
     ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first);
@@ -117,7 +118,8 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         return decode
     from .speculative import speculative_generate
 
-    drafter = make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab)
+    drafter = make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab,
+                           drop_unsure=drop_unsure)
     decode = partial(speculative_generate, lm.model, lm.tokenizer, drafter=drafter, max_draft=max_draft)
     decode.exit_layers = sorted({drafter.exit_layer, lm.num_layers})  # for legends: where tokens can come from
     decode.drafter = drafter

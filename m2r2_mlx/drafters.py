@@ -3,7 +3,10 @@
 
 - ``LayerDrafter``: exit at a gate of the base. With adapters it is the M2R2 fast stream;
   without, the slow state's own exit (naive layer-skip self-speculation, LayerSkip untrained).
-  Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting).
+  Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting). Drafting stops at
+  the first draft whose probability is below ``threshold``; that draft is still verified
+  (Kangaroo's rule), or with ``drop_unsure`` dropped, as a verified position costs more than
+  an unlikely draft is worth (measured: docs/draft_calibration.md, docs/speculative_sweep.md).
 - ``PromptLookupDrafter``: copy the continuation of the latest earlier match of the last
   n-gram in the context (prompt-lookup decoding; no model compute at all).
 """
@@ -20,34 +23,46 @@ from .sampling import Sampling, sampling_probs
 
 class LayerDrafter:
     def __init__(self, m2r2, gate_index: int = 0, threshold: float = 0.0, vocab: Sequence[int] | None = None,
-                 adapters: bool = True):
+                 adapters: bool = True, drop_unsure: bool = False):
         self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
+        self.drop_unsure = drop_unsure
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
         self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
+        self.confidences: list[float] = []  # the last call's draft probabilities, a dropped one included
 
     def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
-        drafts, qs = [], []
-        cur = token
+        drafts, qs, self.confidences = [], [], []
+        drop = self.threshold > 0 and self.drop_unsure
+        cur, steps = token, 0
         while len(drafts) < limit:
             logits = self.m2r2.draft_logits(mx.array(cur), self.gate_index, cache.layers, head=self.head,
                                             adapters=self.adapters)
+            steps += 1  # each draft step wrote one provisional position
             if s.greedy:
                 probs = mx.softmax(logits.astype(mx.float32))
                 i = mx.argmax(probs)
             else:
                 probs = sampling_probs(logits, s)
                 i = mx.random.categorical(mx.log(probs))
-                qs.append(probs if self.head is None else self.head.full(probs, 0.0))
             conf = probs[i]
             d = self.head.ids[i] if self.head is not None else i
             d, conf = int(d.item()), conf.item()
+            self.confidences.append(conf)
+            unsure = conf < self.threshold
+            if unsure and drop:
+                break
+            if not s.greedy:
+                if drop:  # a kept draft was drawn from q restricted to {q >= threshold}: verify against that law
+                    probs = mx.where(probs >= self.threshold, probs, 0.0)
+                    probs = probs / probs.sum()
+                qs.append(probs if self.head is None else self.head.full(probs, 0.0))
             drafts.append(d)
             cur = d
-            if conf < self.threshold or d in eos_ids:  # Kangaroo-style early stop: unsure drafts waste verify work
+            if unsure or d in eos_ids:  # an unsure draft is verified, but none is drafted after it
                 break
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
-            layer.trim(len(drafts))
+            layer.trim(steps)
         return drafts, (mx.stack(qs) if qs else None)
 
 

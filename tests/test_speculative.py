@@ -9,6 +9,7 @@ import mlx.core as mx
 from m2r2_mlx.adapters import new_m2r2
 from m2r2_mlx.generate import PromptCache, generate
 from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.sampling import Sampling
 from m2r2_mlx.speculative import speculative_generate
 
 from .tiny import EosAs, tiny_model
@@ -101,3 +102,39 @@ def test_prompt_lookup_copies_the_latest_match():
     drafts, q = PromptLookupDrafter(max_ngram=2).draft(Cache, 6, 3, None, eos_ids={4})
     assert drafts == [8, 4] and q is None  # "5 6" last seen before "8 4"; stops at the end token
     assert PromptLookupDrafter().draft(Cache, 3, 3, None, eos_ids=set())[0] == []  # 3 never seen
+
+
+def _draft_confidences(tiny_m2r2, prompts) -> list[float]:
+    """The first draft's probability after each prompt, as LayerDrafter scores it."""
+    confs = []
+    for p in prompts:
+        cache = PromptCache(tiny_m2r2.base)
+        mx.eval(cache.forward(p[:-1]))
+        probs = mx.softmax(tiny_m2r2.draft_logits(mx.array(p[-1]), 0, cache.layers).astype(mx.float32))
+        confs.append(probs.max().item())
+    return confs
+
+
+@pytest.mark.parametrize("drop_unsure", [False, True], ids=["verify", "drop"])
+def test_threshold_cuts_drafts_and_stays_lossless(lm, tiny_m2r2, drop_unsure):
+    """Below the threshold drafting stops: the unsure draft is verified as the last one (or, drop_unsure,
+    dropped); greedy output stays plain greedy's, and each call leaves the cache as it found it."""
+    model, tok = tiny_m2r2.base, lm.tokenizer
+    prompts = _prompts(6, seed=11)
+    threshold = float(np.median(_draft_confidences(tiny_m2r2, prompts)))  # some drafts pass, some do not
+    drafter = LayerDrafter(tiny_m2r2, 0, threshold=threshold, drop_unsure=drop_unsure)
+    lengths = []
+    for p in prompts:
+        cache = PromptCache(model)
+        mx.eval(cache.forward(p[:-1]))
+        offsets = [c.offset for c in cache.layers]
+        drafts, _ = drafter.draft(cache, p[-1], 4, Sampling(), eos_ids=set())
+        assert [c.offset for c in cache.layers] == offsets
+        lengths.append(len(drafts))
+    if drop_unsure:
+        assert 0 in lengths and max(lengths) >= 1  # dropped where unsure, kept where sure
+    else:
+        assert min(lengths) >= 1 and max(lengths) > 1  # the unsure draft is still proposed; sure ones go on
+    for p in prompts[:3]:
+        plain = [e.token for e in generate(model, tok, p, max_tokens=20)]
+        assert [e.token for e in speculative_generate(model, tok, p, drafter, max_tokens=20, max_draft=4)] == plain

@@ -1,9 +1,10 @@
 """Speculative sampling draws from the base model's own distribution (rejection sampling).
 
 A tiny 12-token model makes the exact distribution of the first three answer tokens
-computable (1,728 outcomes). Speculative sampling with M2R2 drafts (q != p) and with
-prompt-lookup drafts must match it within the sampling noise of N draws; a verifier
-that skips the rejection step must not (the test can fail).
+computable (1,728 outcomes). Speculative sampling with M2R2 drafts (q != p; also with a
+confidence threshold that drops unsure drafts) and with prompt-lookup drafts must match it
+within the sampling noise of N draws; a verifier that skips the rejection step must not
+(the test can fail).
 """
 
 import numpy as np
@@ -15,6 +16,7 @@ import mlx.core as mx
 import m2r2_mlx.speculative as speculative
 from m2r2_mlx.adapters import new_m2r2
 from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.generate import PromptCache
 from m2r2_mlx.sampling import Sampling, sample_from, sampling_probs
 from m2r2_mlx.speculative import speculative_generate
 
@@ -75,7 +77,8 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
     calibration = np.random.default_rng(0).multinomial(N, p.ravel()).reshape(p.shape) / N
     assert 0.5 * np.abs(calibration - p).sum() < bound  # exact draws pass the bound
 
-    for drafter in (LayerDrafter(m2r2, 0), PromptLookupDrafter()):
+    # drop_unsure: drafts below 0.3 are dropped, so a kept draft's law is q restricted to {q >= 0.3}
+    for drafter in (LayerDrafter(m2r2, 0), LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True), PromptLookupDrafter()):
         got = sampled_joint(model, tok, drafter, s)
         tv = 0.5 * np.abs(got - p).sum()
         print(f"{drafter.name}: TV {tv:.3f}, bound {bound:.3f}")
@@ -85,3 +88,30 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
     broken = sampled_joint(model, tok, LayerDrafter(m2r2, 0), s)
     print(f"no-rejection control: TV {0.5 * np.abs(broken - p).sum():.3f}")
     assert 0.5 * np.abs(broken - p).sum() > bound  # the test has the power to catch a wrong verifier
+
+
+def test_a_kept_draft_is_verified_against_its_restricted_law(setup):
+    """drop_unsure keeps a draft only when q(draft) >= threshold, so the law it was drawn from is q
+    restricted to those tokens and renormalised: the drafter must hand that law to the verifier
+    (the unrestricted q would bias the output, too little for the sampled test above to see)."""
+    model, m2r2, _ = setup
+    s, threshold = Sampling(1.0, 1.0), 0.3
+    drafter = LayerDrafter(m2r2, 0, threshold=threshold, drop_unsure=True)
+    cache = PromptCache(model)
+    mx.eval(cache.forward(PROMPT[:-1]))
+    q = np.array(sampling_probs(m2r2.draft_logits(mx.array(PROMPT[-1]), 0, cache.layers), s))
+    for layer in cache.layers[: drafter.exit_layer]:
+        layer.trim(1)
+    restricted = np.where(q >= threshold, q, 0.0) / q[q >= threshold].sum()
+    assert 0 < (q >= threshold).sum() < V  # the threshold splits the vocabulary
+    mx.random.seed(5)
+    kept = dropped = 0
+    for _ in range(40):
+        drafts, law = drafter.draft(cache, PROMPT[-1], 1, s, eos_ids=set())
+        if drafts:
+            kept += 1
+            assert q[drafts[0]] >= threshold
+            np.testing.assert_allclose(np.array(law[0]), restricted, atol=1e-6)
+        else:
+            dropped += 1
+    assert kept and dropped

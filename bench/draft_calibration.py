@@ -1,0 +1,162 @@
+"""When does a draft pay for itself? Draft acceptance by confidence, beside what drafting and verifying cost.
+
+    python -m bench.draft_calibration --categories all --limit 1 --max-tokens 64
+
+One draft per verification step (max draft 1, no threshold), greedy, on Spec-Bench first turns:
+for every step, the draft's probability under the fast stream's exit and whether the full model
+accepted it. Beside it, on this machine, the cost of one draft step and of verifying k tokens
+in one forward, as multiples of a plain one-token step (medians). A draft at confidence c is
+worth verifying when its acceptance rate exceeds the cost of one more verified position; the
+threshold should sit where the curve crosses that line. Writes a markdown table and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
+
+import mlx.core as mx
+
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
+from m2r2_mlx.blas import blas_info
+from m2r2_mlx.decoders import make_drafter
+from m2r2_mlx.errors import run_cli
+from m2r2_mlx.generate import PromptCache
+from m2r2_mlx.registry import load_model
+from m2r2_mlx.sampling import Sampling
+from m2r2_mlx.speculative import speculative_generate
+
+from .specbench import SPECBENCH, select_questions
+
+EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0001]
+
+
+def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> list[tuple[float, bool]]:
+    """(first draft's probability, accepted?) for every verification step."""
+    from tqdm.auto import tqdm
+
+    pairs = []
+    for q in tqdm(questions, desc="drafting", unit="question"):
+        prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
+        confs, stats = [], {}
+        original = drafter.draft
+
+        def draft(*args, **kwargs):
+            out = original(*args, **kwargs)
+            confs.append(drafter.confidences[0] if out[0] else None)
+            return out
+
+        drafter.draft = draft
+        try:
+            list(speculative_generate(lm.model, lm.tokenizer, prompt, drafter, max_tokens=max_tokens, max_draft=1,
+                                      stats=stats))
+        finally:
+            del drafter.draft
+        pairs += [(c, n > 1) for c, n in zip(confs, stats["accepted"]) if c is not None]
+    return pairs
+
+
+def step_costs(lm, drafter, ks=(2, 3, 4), repeats: int = 21) -> dict:
+    """A plain one-token step (ms), then a draft step and k-token forwards as multiples of it: medians over
+    rounds that time every kind once, side by side, so drift on a shared machine hits them alike."""
+    cache = PromptCache(lm.model)
+    mx.eval(cache.forward(lm.tokenizer.encode("The history of the city begins with a small harbour. " * 12)))
+
+    def forward(k: int):
+        mx.eval(cache.forward([42] * k))
+        cache.trim(k)
+
+    kinds = {"plain": lambda: forward(1), "draft step": lambda: drafter.draft(cache, 42, 1, Sampling(), set()),
+             **{f"verify {k} tokens": (lambda k=k: forward(k)) for k in ks}}
+    times = {name: [] for name in kinds}
+    for _ in range(repeats):
+        for name, fn in kinds.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    one = statistics.median(times.pop("plain"))
+    return {"plain step ms": one * 1e3, **{name: statistics.median(ts) / one for name, ts in times.items()}}
+
+
+def table(pairs, costs) -> list[str]:
+    extra = costs["verify 2 tokens"] - 1.0  # one more verified position
+    lines = ["| draft probability | steps | accepted | worth verifying (accepted > %.2f) |" % extra, "|---|---|---|---|"]
+    for lo, hi in zip(EDGES, EDGES[1:]):
+        hits = [a for c, a in pairs if lo <= c < hi]
+        if hits:
+            rate = sum(hits) / len(hits)
+            lines.append(f"| {lo:.1f}-{min(hi, 1):.1f} | {len(hits)} | {rate:.0%} | {'yes' if rate > extra else 'no'} |")
+    total = sum(a for _, a in pairs) / len(pairs)
+    lines.append(f"| all | {len(pairs)} | {total:.0%} | |")
+    need = costs["draft step"] + extra
+    lines += ["", f"One draft per step pays on average only if it is accepted more often than a draft step plus one "
+                  f"verified position cost: {need:.2f} here; measured {total:.0%}, so drafting "
+                  f"{'pays' if total > need else 'does not pay'} (expected {(1 + total) / (1 + need):.2f}x plain)."]
+    return lines
+
+
+def plot(pairs, costs, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mids, rates, ns = [], [], []
+    for lo, hi in zip(EDGES, EDGES[1:]):
+        hits = [a for c, a in pairs if lo <= c < hi]
+        if hits:
+            mids.append((lo + min(hi, 1)) / 2)
+            rates.append(sum(hits) / len(hits))
+            ns.append(len(hits))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(mids, rates, "o-", label="acceptance of the draft")
+    for x, y, n in zip(mids, rates, ns):
+        ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.axhline(costs["verify 2 tokens"] - 1, color="tab:red", ls="--", label="cost of one more verified position")
+    ax.axhline(costs["draft step"], color="tab:gray", ls=":", label="cost of a draft step")
+    ax.plot([0, 1], [0, 1], color="lightgray", lw=0.8, label="perfect calibration")
+    ax.set(xlabel="draft probability at the gate", ylabel="accepted / cost (plain steps)", xlim=(0, 1), ylim=(0, 1))
+    ax.legend(fontsize=8)
+    ax.set_title("Is a draft worth verifying?", fontsize=10)
+    fig.tight_layout()
+    atomic_save_figure(fig, out)
+    plt.close(fig)
+
+
+def _main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.draft_calibration", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--adapters", default=None)
+    ap.add_argument("--gate", type=int, default=None, help="draft exit layer (default: the first gate)")
+    ap.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
+    ap.add_argument("--categories", default="all")
+    ap.add_argument("--limit", type=int, default=1, help="questions per category")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("docs/draft_calibration.md"))
+    args = ap.parse_args()
+
+    lm = load_model(args.model)
+    drafter = make_drafter(lm, "speculative", args.adapters, gate=args.gate, threshold=0.0)
+    questions = select_questions(args.questions, args.categories, args.limit)
+    costs = step_costs(lm, drafter)
+    pairs = acceptance_by_confidence(lm, drafter, questions, args.max_tokens)
+    cost_line = ", ".join(f"{k} {v:.2f}x" for k, v in costs.items() if k != "plain step ms")
+    lines = ["# Draft calibration\n",
+             f"`python -m bench.draft_calibration {' '.join(sys.argv[1:])}`: {drafter.name}, {len(questions)} Spec-Bench "
+             f"first turns ({args.categories}), one draft per step, greedy, float32, {blas_info().name} BLAS.\n",
+             f"Cost as multiples of a plain one-token step (medians of 21 interleaved rounds): {cost_line}.\n", *table(pairs, costs),
+             "", f"![acceptance by draft probability]({args.out.with_suffix('.png').name})"]
+    text = "\n".join(lines) + "\n"
+    atomic_write_text(args.out, text)
+    plot(pairs, costs, args.out.with_suffix(".png"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("bench.draft_calibration", _main))

@@ -1,0 +1,29 @@
+"""bench.draft_calibration: acceptance by draft probability beside the measured cost of drafting."""
+
+import json
+import subprocess
+import sys
+
+from bench.draft_calibration import table
+
+
+def test_table_marks_what_is_worth_verifying():
+    pairs = [(0.05, False)] * 9 + [(0.05, True)] + [(0.8, True)] * 3 + [(0.8, False)]
+    costs = {"plain step ms": 100.0, "draft step": 0.2, "verify 2 tokens": 1.25}
+    lines = table(pairs, costs)
+    assert "| 0.0-0.1 | 10 | 10% | no |" in lines  # 10% < 0.25, the cost of one more verified position
+    assert "| 0.7-1.0 | 4 | 75% | yes |" in lines
+    assert "| all | 14 | 29% | |" in lines
+    assert "0.45 here; measured 29%, so drafting does not pay" in lines[-1]
+
+
+def test_calibration_runs_on_the_packaged_adapters(tmp_path):
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Name three colours."]}) + "\n")
+    out = tmp_path / "calibration.md"
+    r = subprocess.run([sys.executable, "-m", "bench.draft_calibration", "--questions", str(q), "--categories", "qa",
+                        "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert "m2r2@L6" in text and "| all | " in text and "verify 2 tokens" in text
+    assert out.with_suffix(".png").stat().st_size > 10_000
