@@ -83,14 +83,21 @@ def step_costs(lm, drafter, ks=(2, 3, 4), repeats: int = 21) -> dict:
     return {"plain step ms": one * 1e3, **{name: statistics.median(ts) / one for name, ts in times.items()}}
 
 
-def table(pairs, costs) -> list[str]:
-    extra = costs["verify 2 tokens"] - 1.0  # one more verified position
-    lines = ["| draft probability | steps | accepted | worth verifying (accepted > %.2f) |" % extra, "|---|---|---|---|"]
+def buckets(pairs) -> list[tuple[float, float, int, float]]:
+    """(low, high, steps, acceptance rate) per non-empty draft-probability bucket of EDGES."""
+    out = []
     for lo, hi in zip(EDGES, EDGES[1:]):
         hits = [a for c, a in pairs if lo <= c < hi]
         if hits:
-            rate = sum(hits) / len(hits)
-            lines.append(f"| {lo:.1f}-{min(hi, 1):.1f} | {len(hits)} | {rate:.0%} | {'yes' if rate > extra else 'no'} |")
+            out.append((lo, min(hi, 1.0), len(hits), sum(hits) / len(hits)))
+    return out
+
+
+def table(pairs, costs) -> list[str]:
+    extra = costs["verify 2 tokens"] - 1.0  # one more verified position
+    lines = ["| draft probability | steps | accepted | worth verifying (accepted > %.2f) |" % extra, "|---|---|---|---|"]
+    for lo, hi, n, rate in buckets(pairs):
+        lines.append(f"| {lo:.1f}-{hi:.1f} | {n} | {rate:.0%} | {'yes' if rate > extra else 'no'} |")
     total = sum(a for _, a in pairs) / len(pairs)
     lines.append(f"| all | {len(pairs)} | {total:.0%} | |")
     need = costs["draft step"] + extra
@@ -106,13 +113,8 @@ def plot(pairs, costs, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mids, rates, ns = [], [], []
-    for lo, hi in zip(EDGES, EDGES[1:]):
-        hits = [a for c, a in pairs if lo <= c < hi]
-        if hits:
-            mids.append((lo + min(hi, 1)) / 2)
-            rates.append(sum(hits) / len(hits))
-            ns.append(len(hits))
+    rows = buckets(pairs)
+    mids, rates, ns = [(lo + hi) / 2 for lo, hi, _, _ in rows], [r for *_, r in rows], [n for _, _, n, _ in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(mids, rates, "o-", label="acceptance of the draft")
     for x, y, n in zip(mids, rates, ns):

@@ -105,13 +105,13 @@ def test_prompt_lookup_copies_the_latest_match():
 
 
 def _draft_confidences(tiny_m2r2, prompts) -> list[float]:
-    """The first draft's probability after each prompt, as LayerDrafter scores it."""
-    confs = []
+    """The first draft's probability after each prompt, as LayerDrafter records it."""
+    drafter, confs = LayerDrafter(tiny_m2r2, 0), []
     for p in prompts:
         cache = PromptCache(tiny_m2r2.base)
         mx.eval(cache.forward(p[:-1]))
-        probs = mx.softmax(tiny_m2r2.draft_logits(mx.array(p[-1]), 0, cache.layers).astype(mx.float32))
-        confs.append(probs.max().item())
+        drafter.draft(cache, p[-1], 1, Sampling(), eos_ids=set())
+        confs.append(drafter.confidences[0])
     return confs
 
 
