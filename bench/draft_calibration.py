@@ -7,7 +7,10 @@ for every step, the draft's probability under the fast stream's exit and whether
 accepted it. Beside it, on this machine, the cost of one draft step and of verifying k tokens
 in one forward, as multiples of a plain one-token step (medians). A draft at confidence c is
 worth verifying when its acceptance rate exceeds the cost of one more verified position; the
-threshold should sit where the curve crosses that line. Writes a markdown table and a PNG.
+threshold should sit where the curve crosses that line. From the same steps and costs: the expected
+speedup of each threshold, beside an oracle that knows beforehand which steps will draft surely (the
+bound on any "should I draft now?" signal), and the ceiling if every draft were accepted. Writes a
+markdown table and a PNG.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> list[tu
     return pairs
 
 
-def step_costs(lm, drafter, ks=(2, 3, 4), repeats: int = 21) -> dict:
+def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:
     """A plain one-token step (ms), then a draft step and k-token forwards as multiples of it: medians over
     rounds that time every kind once, side by side, so drift on a shared machine hits them alike."""
     cache = PromptCache(lm.model)
@@ -104,6 +107,41 @@ def table(pairs, costs) -> list[str]:
     lines += ["", f"One draft per step pays on average only if it is accepted more often than a draft step plus one "
                   f"verified position cost: {need:.2f} here; measured {total:.0%}, so drafting "
                   f"{'pays' if total > need else 'does not pay'} (expected {(1 + total) / (1 + need):.2f}x plain)."]
+    return lines
+
+
+def policy_speedups(pairs, costs, thresholds=(0.0, 0.2, 0.3, 0.4, 0.5)) -> list[tuple[float, float, float, float, float]]:
+    """Expected speedup over plain of one draft per step, from the measured steps and costs, per threshold t:
+    (t, share of steps whose draft reaches t, their acceptance, drafting every step and verifying only the
+    drafts that reach t, an oracle that knows beforehand which steps those are and drafts only there).
+    The oracle bounds any signal that decides whether to draft before paying for the draft."""
+    d, v2 = costs["draft step"], costs["verify 2 tokens"]
+    n, out = len(pairs), []
+    for t in thresholds:
+        sure = [a for c, a in pairs if c >= t]
+        m, gained = len(sure), sum(sure)
+        every = (n + gained) / (n * d + m * v2 + (n - m))
+        oracle = (n + gained) / (m * (d + v2) + (n - m))
+        out.append((t, m / n, gained / m if m else 0.0, every, oracle))
+    return out
+
+
+def ceilings(costs) -> list[tuple[int, float]]:
+    """(drafts per step, speedup) if every draft were accepted: k drafts cost k draft steps and a (k+1)-token
+    verification; only the verification sizes measured."""
+    d = costs["draft step"]
+    return [(k - 1, k / ((k - 1) * d + costs[f"verify {k} tokens"])) for k in range(2, 9) if f"verify {k} tokens" in costs]
+
+
+def policy_table(pairs, costs) -> list[str]:
+    lines = ["| verify the draft when its probability is at least | steps | their acceptance | "
+             "speedup, drafting every step | speedup, drafting only those steps (oracle) |", "|---|---|---|---|---|"]
+    for t, share, rate, every, oracle in policy_speedups(pairs, costs):
+        lines.append(f"| {t:.1f} | {share:.0%} | {rate:.0%} | {every:.2f}x | {oracle:.2f}x |")
+    best = ", ".join(f"{k} draft{'s' if k > 1 else ''} {x:.2f}x" for k, x in ceilings(costs))
+    lines += ["", "The oracle column bounds any signal that says, before drafting, whether this step's draft will be "
+                  "sure: it saves the draft steps that buy nothing, and no more. With every draft accepted, the "
+                  f"measured costs allow at most: {best}."]
     return lines
 
 
@@ -152,6 +190,7 @@ def _main() -> int:
              f"`python -m bench.draft_calibration {' '.join(sys.argv[1:])}`: {drafter.name}, {len(questions)} Spec-Bench "
              f"first turns ({args.categories}), one draft per step, greedy, float32, {blas_info().name} BLAS.\n",
              f"Cost as multiples of a plain one-token step (medians of 21 interleaved rounds): {cost_line}.\n", *table(pairs, costs),
+             "", "## What a drafting policy can reach\n", *policy_table(pairs, costs),
              "", f"![acceptance by draft probability]({args.out.with_suffix('.png').name})"]
     text = "\n".join(lines) + "\n"
     atomic_write_text(args.out, text)

@@ -140,19 +140,30 @@ def run_turns(lm, decode, turns: list[str], max_tokens: int) -> list[dict]:
     return out
 
 
+def groups(categories: list[str]) -> list[str]:
+    """The table's rows: each category, then MT-Bench's 8 together (where the run has them and more), then all."""
+    mt = [c for c in categories if c in MT_BENCH]
+    return categories + (["mt_bench"] if mt and len(mt) < len(categories) else []) + ["overall"]
+
+
+def in_group(group: str, category: str) -> bool:
+    return group in ("overall", category) or (group == "mt_bench" and category in MT_BENCH)
+
+
 def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
-    """Per (category, method): decode tokens/s (summed tokens over summed time), speedup, acceptance, memory."""
+    """Per (category or group, method): decode tokens/s (summed tokens over summed time), speedup, acceptance, memory."""
     summary = {}
-    for cat in categories + ["overall"]:
+    for cat in groups(categories):
         for m in methods:
-            turns = [t for r in records[m] if cat in ("overall", r["category"]) for t in r["turns"]]
+            answers = [r for r in records[m] if in_group(cat, r["category"])]
+            turns = [t for r in answers for t in r["turns"]]
             if not turns:
                 continue
             toks = sum(max(t["new_tokens"] - 1, 0) for t in turns)
             secs = sum(t["decode_time"] for t in turns)
             acc = [a for t in turns for a in t["accept_lengths"]]
-            same = sum(r["same_as_plain"] for r in records[m] if cat in ("overall", r["category"]))
-            n = sum(1 for r in records[m] if cat in ("overall", r["category"]))
+            same = sum(r["same_as_plain"] for r in answers)
+            n = len(answers)
             summary[cat, m] = {"tok_s": toks / secs if secs else 0.0, "accepted": statistics.mean(acc) if acc else 1.0,
                                "hist": Counter(acc), "peak_gb": max(t["peak_memory_gb"] for t in turns),
                                "same": f"{same}/{n}", "tokens": toks}
@@ -171,7 +182,7 @@ def histogram_text(hist: Counter) -> str:
 def table(summary: dict, methods: list[str], categories: list[str]) -> str:
     lines = ["| category | method | tokens/s | speedup | tokens/step | acceptance lengths | peak GB | same as plain |",
              "|---|---|---|---|---|---|---|---|"]
-    for cat in categories + ["overall"]:
+    for cat in groups(categories):
         for m in methods:
             s = summary.get((cat, m))
             if s:
@@ -187,7 +198,7 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
     import matplotlib.pyplot as plt
     import numpy as np
 
-    cats = categories + ["overall"]
+    cats = groups(categories)
     colors = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in both panels
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     w = 0.8 / len(methods)

@@ -39,6 +39,22 @@ def test_bench_runs_every_method_and_writes_its_files(tmp_path):
     overall = [line for line in table.splitlines() if line.startswith("| overall")]
     assert len(overall) == len(methods)
     assert all(line.rstrip(" |").endswith("2/2") for line in overall)  # every method's answers equal plain greedy's
+    assert sum(line.startswith("| mt_bench") for line in table.splitlines()) == len(methods)  # writing, not qa
+
+
+def test_mt_bench_rows_sum_only_mt_bench_categories():
+    from bench.specbench import groups, summarise
+
+    def answer(cat, tokens, seconds):
+        turn = {"new_tokens": tokens + 1, "decode_time": seconds, "accept_lengths": [1] * tokens, "peak_memory_gb": 0.5}
+        return {"category": cat, "turns": [turn], "same_as_plain": True}
+
+    records = {"plain": [answer("writing", 10, 1.0), answer("math", 30, 2.0), answer("qa", 100, 1.0)]}
+    assert groups(["writing", "math", "qa"]) == ["writing", "math", "qa", "mt_bench", "overall"]
+    assert groups(["writing", "math"]) == ["writing", "math", "overall"]  # all of them MT-Bench: no extra row
+    summary = summarise(records, ["plain"], ["writing", "math", "qa"])
+    assert summary["mt_bench", "plain"]["tok_s"] == 40 / 3.0 and summary["mt_bench", "plain"]["same"] == "2/2"
+    assert summary["overall", "plain"]["tok_s"] == 140 / 4.0
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench.draft_calibration import table
 
 
@@ -27,3 +29,19 @@ def test_calibration_runs_on_the_packaged_adapters(tmp_path):
     text = out.read_text()
     assert "m2r2@L6" in text and "| all | " in text and "verify 2 tokens" in text
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_policy_speedups_and_ceilings_follow_the_cost_model():
+    from bench.draft_calibration import ceilings, policy_speedups
+
+    # 10 steps: 2 sure drafts (one accepted), 8 unsure (one accepted); a draft step 0.2, verifying 2 tokens 1.25
+    pairs = [(0.9, True), (0.9, False)] + [(0.1, True)] + [(0.1, False)] * 7
+    costs = {"draft step": 0.2, "verify 2 tokens": 1.25, "verify 3 tokens": 1.4}
+    rows = {t: r for t, *r in policy_speedups(pairs, costs, thresholds=(0.0, 0.5))}
+    assert rows[0.0][:2] == [1.0, 0.2]
+    assert abs(rows[0.0][2] - 12 / 14.5) < 1e-9 and abs(rows[0.0][3] - 12 / 14.5) < 1e-9  # no step left to skip
+    share, rate, every, oracle = rows[0.5]
+    assert (share, rate) == (0.2, 0.5)
+    assert abs(every - 11 / (2 + 2 * 1.25 + 8)) < 1e-9  # every step pays its draft; 8 verify one token only
+    assert abs(oracle - 11 / (2 * 1.45 + 8)) < 1e-9 and oracle > every
+    assert ceilings(costs) == [(1, pytest.approx(2 / 1.45)), (2, pytest.approx(3 / 1.8))]

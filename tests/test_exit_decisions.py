@@ -121,3 +121,19 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "b" / "adapters.safetensors"))
     assert any(k.startswith("arla.") for k in b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_exit_rule_follows_the_measured_auc(tiny):
+    """Early exit uses ARLA only where it separated right from wrong exits better than confidence on average."""
+    from m2r2_mlx.decoders import exit_rule
+    from m2r2_mlx.early_exit import confidence
+
+    _, m = tiny
+    extra = m.config.extra
+    try:
+        m.config.extra = {"exit_auc": {"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.86]}}}
+        assert isinstance(exit_rule(m), ARLARule)  # mean 0.825 > 0.82
+        m.config.extra = {"exit_auc": {"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.84]}}}
+        assert exit_rule(m) is confidence
+    finally:
+        m.config.extra = extra
