@@ -72,7 +72,7 @@ def plan_conversion(ckpt: Checkpoint, lm, gates: list[int] | None = None, every:
         _check_lora_rank(ckpt, targets, lora.rank)
     else:
         layout = OWN_LAYOUT
-        fields = {k: getattr(beside, k) for k in _FORM_FIELDS} if beside else _infer_own_form(ckpt)
+        fields = {k: getattr(beside, k) for k in _FORM_FIELDS} if beside else _infer_own_form(ckpt, gates)
         targets = {n: n for n in names}
     extra = {**(beside.extra if beside else {}), "converted_from": str(ckpt.path), "source_layout": layout}
     m2r2 = M2R2Model(lm.model, config_for_base(lm, gates, extra=extra, **fields))
@@ -136,12 +136,14 @@ def _choose_gates(beside: M2R2Config | None, gates: list[int] | None, every: int
     return even_gates(num_layers, DEFAULT_EVERY)
 
 
-def _infer_own_form(ckpt: Checkpoint) -> dict:
-    """Bottleneck rank and ARLA width from the tensors' shapes (no config beside the checkpoint)."""
+def _infer_own_form(ckpt: Checkpoint, gates: list[int]) -> dict:
+    """Bottleneck rank (one, or one per gate interval) and ARLA width from the tensors' shapes (no config
+    beside the checkpoint)."""
     if any(n.startswith("lora.") for n in ckpt.tensors):
         raise M2R2Error(f"{ckpt.path.name} holds lora.* weights in this project's layout; put the m2r2_config.json "
                         "they were trained with beside it (it names the targets and scale)")
-    fields = {"adapter_rank": _dim(ckpt, "adapters.0.down.weight", 0)}
+    ranks = [_dim(ckpt, f"adapters.{start}.down.weight", 0) for start in [0, *gates[:-1]]]
+    fields = {"adapter_rank": ranks[0] if len(set(ranks)) == 1 else ranks}
     if any(n.startswith("arla.") for n in ckpt.tensors):
         fields.update(arla=True, arla_dim=_dim(ckpt, "arla.proj.weight", 0),
                       arla_exit_stats="arla.exit_proj.weight" in ckpt.tensors)

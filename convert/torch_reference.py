@@ -77,9 +77,12 @@ class ARLA(nn.Module):
 class M2R2Adapters(nn.Module):
     """What an adapters folder holds (bottleneck form), under the MLX names: adapters.{i}.*, arla.*."""
 
-    def __init__(self, dims: int, rank: int, gates: list[int], arla_dim: int | None = None, arla_exit_stats: bool = False):
+    def __init__(self, dims: int, rank: int | list[int], gates: list[int], arla_dim: int | None = None,
+                 arla_exit_stats: bool = False):
         super().__init__()
-        self.adapters = nn.ModuleList(BottleneckAdapter(dims, rank) for _ in range(gates[-1]))
+        ranks = rank if isinstance(rank, list) else [rank] * len(gates)  # one per gate interval
+        spans = zip([0, *gates[:-1]], gates, ranks)
+        self.adapters = nn.ModuleList(BottleneckAdapter(dims, r) for start, stop, r in spans for _ in range(start, stop))
         self.arla = ARLA(dims, arla_dim, len(gates), arla_exit_stats) if arla_dim else None
 
 

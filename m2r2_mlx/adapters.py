@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,6 +31,32 @@ def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64,
     form = {"adapter_form": "lora", "lora_targets": list(lora_targets), "lora_scale": lora_scale} if lora_targets else {}
     cfg = config_for_base(lm, gates, adapter_rank=rank, arla_dim=arla_dim, arla=arla, **form)
     return M2R2Model(lm.model, cfg)
+
+
+def widen_adapters(m2r2: M2R2Model, ranks: int | list[int], seed: int = 0) -> M2R2Model:
+    """The same model with wider bottlenecks (``ranks``: one, or one per gate interval), computing the
+    same function: each layer keeps its trained rows, its new ``down`` rows are drawn as nn.Linear draws
+    them (from a key fixed by ``seed`` and the layer, so a rebuild draws the same) and its new ``up``
+    columns are zero. Warm-starts a wider interval from trained adapters."""
+    cfg = m2r2.config
+    if cfg.adapter_form != "parallel_bottleneck":
+        raise M2R2Error("only bottleneck adapters can be widened; LoRA ranks are fixed by their checkpoint")
+    wide = M2R2Model(m2r2.base, M2R2Config(**{**asdict(cfg), "adapter_rank": ranks}))
+    for i, (new, old) in enumerate(zip(wide.adapters, m2r2.adapters)):
+        grow = new.down.weight.shape[0] - old.down.weight.shape[0]
+        if grow < 0:
+            raise M2R2Error(f"layer {i}: rank {new.down.weight.shape[0]} is narrower than the adapters' "
+                            f"{old.down.weight.shape[0]}; adapters can only be widened")
+        d = old.down.weight.shape[1]
+        fresh = mx.random.uniform(-d**-0.5, d**-0.5, (grow, d), key=mx.random.key(seed * 10_000 + i))
+        new.norm.weight = old.norm.weight
+        new.down.weight = mx.concatenate([old.down.weight, fresh.astype(old.down.weight.dtype)], axis=0)
+        new.up.weight = mx.concatenate([old.up.weight, mx.zeros((d, grow), dtype=old.up.weight.dtype)], axis=1)
+    if getattr(m2r2, "arla", None) is not None:
+        wide.arla = m2r2.arla
+    wide.exit_head = m2r2.exit_head
+    mx.eval(wide.parameters())
+    return wide
 
 
 def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, keep: tuple[str, ...] = ()) -> Path:

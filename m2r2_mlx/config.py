@@ -28,7 +28,7 @@ class M2R2Config:
     num_layers: int
     hidden_size: int
     adapter_form: str = "parallel_bottleneck"  # one of ADAPTER_FORMS
-    adapter_rank: int = 64
+    adapter_rank: int | list[int] = 64  # one bottleneck rank for every fast-stream layer, or one per gate interval
     arla_dim: int = 64
     arla: bool = False  # the folder holds ARLA exit-decision weights (arla.*)
     arla_exit_stats: bool = False  # ARLA's latents also read the exit distribution's statistics (arla.exit_proj)
@@ -49,13 +49,22 @@ class M2R2Config:
             raise M2R2Error(f"adapter form {self.adapter_form!r} is unknown; this version has {', '.join(map(repr, ADAPTER_FORMS))}")
         if (self.adapter_form == "lora") != bool(self.lora_targets):
             raise M2R2Error("lora_targets (the projections LoRA adapts) must be given for the 'lora' adapter form, and only for it")
-        if self.adapter_rank < 1:
+        ranks = self.adapter_rank if isinstance(self.adapter_rank, list) else [self.adapter_rank]
+        if isinstance(self.adapter_rank, list) and (len(ranks) != len(g) or self.adapter_form == "lora"):
+            raise M2R2Error(f"adapter ranks {ranks} must be one per gate interval ({len(g)} gates), bottleneck form only")
+        if min(ranks) < 1:
             raise M2R2Error(f"adapter rank must be at least 1 (got {self.adapter_rank})")
 
     def intervals(self) -> list[tuple[int, int]]:
         """(start, stop) layer ranges the fast stream covers: [g_(j-1), g_j) with g_0 = 0."""
         starts = [0] + self.gates[:-1]
         return list(zip(starts, self.gates))
+
+    def layer_ranks(self) -> list[int]:
+        """The bottleneck rank of each fast-stream layer 0..gates[-1]-1."""
+        if not isinstance(self.adapter_rank, list):
+            return [self.adapter_rank] * self.gates[-1]
+        return [r for (start, stop), r in zip(self.intervals(), self.adapter_rank) for _ in range(start, stop)]
 
     def save(self, folder: Path) -> None:
         (Path(folder) / CONFIG_FILE).write_text(json.dumps(asdict(self), indent=2))

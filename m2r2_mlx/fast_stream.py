@@ -125,7 +125,7 @@ class M2R2Model(nn.Module):
             self.lora = new_lora_deltas(self.parts.layers[:fast], config.lora_targets, config.adapter_rank, config.lora_scale)
             self.lora_switch = LoRASwitch(self.parts.layers, self.lora)
         else:
-            self.adapters = [BottleneckAdapter(config.hidden_size, config.adapter_rank) for _ in range(fast)]
+            self.adapters = [BottleneckAdapter(config.hidden_size, r) for r in config.layer_ranks()]
             self.lora_switch = LoRASwitch(self.parts.layers, [])
         self.exit_head = None  # SubsetHead exits are scored with (config.exit_vocab; None: the full head)
         if config.arla:
@@ -204,12 +204,14 @@ class M2R2Model(nn.Module):
         kv = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
         return states, h, kv
 
-    def fast_states(self, states: dict, kv) -> list[mx.array]:
-        """Fast-stream state at every gate, for whole sequences (teacher-forced on the slow stream)."""
+    def fast_states(self, states: dict, kv, gate_indices=None) -> list[mx.array]:
+        """Fast-stream state at every gate (or at the gates ``gate_indices`` names), for whole
+        sequences (teacher-forced on the slow stream)."""
         T = states[0].shape[1]
         mask = parallel_mask(T)
         out = []
-        for start, stop in self.config.intervals():
+        intervals = self.config.intervals()
+        for start, stop in (intervals if gate_indices is None else [intervals[j] for j in gate_indices]):
             views = {i: ParallelKV(*kv[i]) for i in range(start, stop)}
             out.append(self.fast_layers(states[start], start, stop, mask, views))
         return out

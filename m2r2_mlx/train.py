@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .atomic import atomic_folder
 from .cpu_kernels import fast_kernels
-from .adapters import load_adapters, new_m2r2, save_adapters
+from .adapters import load_adapters, new_m2r2, save_adapters, widen_adapters
 from .data import pack_rows, read_prompts, read_text_files, self_distill
 from .errors import M2R2Error, run_cli
 from .evaluate import gate_agreement
@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--text/--prompts")
     p.add_argument("--gates", help="comma-separated exit layers, e.g. 6,12,18,24 (default: every --every layers)")
     p.add_argument("--every", type=int, default=6, help="gate spacing when --gates is not given (default 6)")
-    p.add_argument("--rank", type=int, default=64, help="adapter bottleneck rank (default 64)")
+    p.add_argument("--rank", type=parse_ranks, default=None,
+                   help="adapter bottleneck rank, or one per gate interval (e.g. 256,64,64,64); with --init, "
+                        "wider ranks widen the given adapters, which keep computing what they did (default 64)")
+    p.add_argument("--train-gates", help="comma-separated gates whose interval's adapters train (default: all); "
+                   "the others stay as --init gave them and their fast stream does not run")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
@@ -67,15 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-kernels", action="store_true",
                    help="on the CPU, keep MLX's own exp-based kernels in self-distillation and training too "
                         "(default: faster ones with relative error < 1e-6; decoding and evaluation always use MLX's)")
-    p.add_argument("--stage", choices=("adapters", "arla", "both"), default="both",
+    p.add_argument("--stage", choices=("data", "adapters", "arla", "both"), default="both",
                    help="train the adapters, then ARLA on their exits (both, default); 'arla' trains only ARLA "
-                        "on the adapters given by --init or --resume")
+                        "on the adapters given by --init or --resume; 'data' only builds OUTPUT/data.npy "
+                        "(self-distilling --prompts), for a later run's --data")
     p.add_argument("--arla-rows", type=int, default=48, help="training rows whose tokens teach ARLA (default 48)")
     p.add_argument("--arla-steps", type=int, default=400, help="ARLA optimisation steps (default 400)")
     p.add_argument("--exit-vocab", type=int, default=4096,
                    help="ARLA scores exits over the N most frequent tokens of the data, as early exit will "
                         "(a check then reads N rows of the LM head); 0: the full vocabulary (default 4096)")
     return p
+
+
+def parse_ranks(text: str) -> int | list[int]:
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rank or a comma-separated list of ranks") from None
+    return ranks[0] if len(ranks) == 1 else ranks
 
 
 def load_rows(args, lm, out: Path) -> np.ndarray:
@@ -113,8 +126,9 @@ class Trainer:
     """One optimisation step at a time: frozen slow pass, then gradients through the fast stream only."""
 
     def __init__(self, m2r2, lr: float, steps: int, temperature: float = 1.0, align: float = 1.0, warmup: int = 20,
-                 top_k: int = 16):
+                 top_k: int = 16, gate_indices: list[int] | None = None):
         self.m2r2, self.temperature, self.align, self.top_k = m2r2, temperature, align, top_k
+        self.gate_indices = gate_indices  # None: every gate's interval trains
         warmup = min(warmup, max(steps // 10, 1))
         schedule = optim.join_schedules(
             [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, max(steps - warmup, 1), lr * 0.05)], [warmup]
@@ -124,7 +138,7 @@ class Trainer:
 
     def loss(self, model, states, kv, final, rows, teacher):
         total, kls = 0.0, []
-        for fast in model.fast_states(states, kv):
+        for fast in model.fast_states(states, kv, self.gate_indices):
             loss, kl = gate_loss(model.parts, fast, final, rows, teacher, self.temperature, self.align)
             total = total + loss
             kls.append(kl)
@@ -183,6 +197,11 @@ def train(args) -> Path:
     print(blas_info().describe(), file=sys.stderr)
     lm = load_model(args.model)
     lm.model.freeze()
+    if args.stage == "data":
+        with fast_kernels(not args.exact_kernels):
+            rows = load_rows(args, lm, out)
+        print(f"{out / DATA_CACHE}: {len(rows)} rows of {rows.shape[1]} tokens", file=sys.stderr)
+        return out
     gates = [int(g) for g in args.gates.split(",")] if args.gates else None
     start = 0
     if args.resume and ck.is_dir():
@@ -193,7 +212,10 @@ def train(args) -> Path:
     elif args.stage == "arla":
         raise M2R2Error("--stage arla trains ARLA on existing adapters: pass --init FOLDER, or --resume an OUTPUT that has them")
     else:
-        m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank)
+        m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank or 64)
+    if args.rank and m2r2.config.adapter_rank != args.rank:
+        m2r2 = widen_adapters(m2r2, args.rank, args.seed)
+    gate_indices = train_gate_indices(m2r2, args.train_gates)
     if getattr(m2r2, "arla", None) is not None:
         m2r2.arla.freeze()  # adapter training leaves an inherited ARLA alone; the ARLA stage trains a new one
     with fast_kernels(not args.exact_kernels):  # self-distillation: data, not decoding
@@ -203,7 +225,8 @@ def train(args) -> Path:
     if len(train_rows) < args.batch_size:
         raise M2R2Error(f"{len(train_rows)} training rows of {args.seq_len} tokens is fewer than one batch; add data")
 
-    trainer = Trainer(m2r2, lr=args.lr, steps=args.steps, temperature=args.temperature, align=args.align, top_k=args.top_k)
+    trainer = Trainer(m2r2, lr=args.lr, steps=args.steps, temperature=args.temperature, align=args.align, top_k=args.top_k,
+                      gate_indices=gate_indices)
     if start and (ck / "optimizer.safetensors").is_file():
         trainer.restore(ck / "optimizer.safetensors")
 
@@ -245,6 +268,24 @@ def train(args) -> Path:
         print(f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
               f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
     return out
+
+
+def train_gate_indices(m2r2, train_gates: str | None) -> list[int] | None:
+    """Indices of the gates --train-gates names; the other intervals' adapters are frozen."""
+    if not train_gates:
+        return None
+    gates = m2r2.config.gates
+    try:
+        chosen = sorted({gates.index(int(g)) for g in train_gates.split(",")})
+    except ValueError:
+        raise M2R2Error(f"--train-gates {train_gates} must name gates of the adapters, which are {gates}") from None
+    if m2r2.config.adapter_form != "parallel_bottleneck":
+        raise M2R2Error("--train-gates needs bottleneck adapters (a LoRA delta serves every interval of its layer)")
+    for j, (start, stop) in enumerate(m2r2.config.intervals()):
+        if j not in chosen:
+            for i in range(start, stop):
+                m2r2.adapters[i].freeze()
+    return chosen
 
 
 def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, seed: int, exit_ids=None) -> dict:

@@ -156,6 +156,17 @@ def _convert_in_process(path, lm, out=None, dtype="float32", **gates):
     return conversion if out is None else (conversion, write_conversion(conversion, out, dtype=dtype))
 
 
+def test_per_interval_ranks_are_read_from_the_shapes(base, tmp_path):
+    folder, lm, twin = base
+    module = random_adapters(rank=[RANK * 2, RANK])
+    torch.save(module.state_dict(), tmp_path / "adapters.pt")
+    r = convert(tmp_path / "adapters.pt", "--base", folder, "-o", tmp_path / "out", "--gates", "2,4")
+    assert r.returncode == 0, r.stderr
+    m2r2 = load_adapters(lm, tmp_path / "out")
+    assert m2r2.config.adapter_rank == [RANK * 2, RANK]
+    assert_same_exits(m2r2, twin, module.adapters)
+
+
 def test_other_file_layouts_give_the_same_weights(base, tmp_path):
     """bf16 safetensors, bin shards behind an index, and a folder with m2r2_config.json beside the weights."""
     _, lm, twin = base

@@ -123,6 +123,33 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     assert any(k.startswith("arla.") for k in b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
+def test_trainer_data_stage_then_widened_first_interval(tmp_path):
+    """--stage data writes the rows only; a later run trains on them (--data), widening one interval
+    of earlier adapters (--rank) and training it alone (--train-gates): the other interval is untouched."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 37} and thing{i % 11}." for i in range(3000)))
+    common = [sys.executable, "-m", "m2r2_mlx.train", "--seq-len", "64", "--batch-size", "2", "--eval-rows", "2",
+              "--gates", "10,20", "--stage", "adapters", "--steps", "2"]
+    r = subprocess.run([*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "-o", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert {f.name for f in (tmp_path / "d").iterdir()} == {"data.npy"}
+    rows = str(tmp_path / "d" / "data.npy")
+    first = subprocess.run([*common, "--data", rows, "--rank", "4", "-o", str(tmp_path / "a")],
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-2000:]
+    r = subprocess.run([*common, "--data", rows, "--init", str(tmp_path / "a"), "--rank", "8,4", "--train-gates", "10",
+                        "-o", str(tmp_path / "w")], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "w" / "m2r2_config.json").read_text())
+    assert cfg["adapter_rank"] == [8, 4] and cfg["extra"]["recipe"]["train_gates"] == "10"
+    a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
+    w = mx.load(str(tmp_path / "w" / "adapters.safetensors"))
+    assert w["adapters.0.down.weight"].shape == (8, 576) and w["adapters.10.down.weight"].shape == (4, 576)
+    assert all(mx.array_equal(a[k], w[k]).item() for k in a if int(k.split(".")[1]) >= 10)
+    assert not mx.array_equal(a["adapters.0.up.weight"], w["adapters.0.up.weight"][:, :4]).item()
+
+
 def test_exit_rule_follows_the_measured_auc(tiny):
     """Early exit uses ARLA only where it separated right from wrong exits better than confidence on average."""
     from m2r2_mlx.decoders import exit_rule

@@ -149,3 +149,48 @@ def test_answer_agreement_scores_only_answer_positions():
     r = answer_agreement(m, [(toks, 5)])
     assert r["tokens"] == 12 - 5  # positions 4..10 predict the answer tokens 5..11
     assert r == agreement(m, [(mx.array(toks)[None], slice(4, 11))])
+
+
+def test_per_interval_ranks_widen_and_round_trip(tmp_path):
+    """One rank per gate interval; widening keeps what trained adapters compute and saves/loads."""
+    from m2r2_mlx.adapters import widen_adapters
+
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4], rank=4)
+    _randomize(m)
+    wide = widen_adapters(m, [12, 4])
+    assert [a.down.weight.shape[0] for a in wide.adapters] == [12, 12, 4, 4]
+    assert wide.config.layer_ranks() == [12, 12, 4, 4]
+    states, _, kv = m.slow_pass(_ids())
+    for a, b in zip(m.fast_states(states, kv), wide.fast_states(states, kv)):
+        assert mx.allclose(a, b, atol=1e-5).item()
+    # the new rows are drawn, not zero (they must be able to learn), and drawn the same each time
+    assert mx.abs(wide.adapters[0].down.weight[4:]).sum().item() > 0
+    assert mx.array_equal(widen_adapters(m, [12, 4]).adapters[0].down.weight, wide.adapters[0].down.weight).item()
+    again = load_adapters(lm, save_adapters(wide, tmp_path / "wide"))
+    assert again.config.adapter_rank == [12, 4]
+    assert mx.array_equal(again.adapters[1].up.weight, wide.adapters[1].up.weight).item()
+    # only one gate's interval runs when asked
+    assert [f.shape for f in wide.fast_states(states, kv, [1])] == [(2, 9, 64)]
+    with pytest.raises(M2R2Error, match="narrower"):
+        widen_adapters(wide, [4, 4])
+    for bad in ([8], [8, 8, 8], [0, 4]):
+        with pytest.raises(M2R2Error, match="rank"):
+            new_m2r2(lm, gates=[2, 4], rank=bad)
+
+
+def test_train_gates_leaves_the_other_intervals_alone():
+    from m2r2_mlx.train import Trainer, train_gate_indices
+
+    lm = tiny_model("llama", seed=4)
+    m = new_m2r2(lm, gates=[2, 4], rank=8)
+    _randomize(m)
+    before = {n: np.array(p) for n, p in tree_flatten(m.parameters())}
+    trainer = Trainer(m, lr=3e-3, steps=5, gate_indices=train_gate_indices(m, "4"))
+    for _ in range(5):
+        trainer.step(_ids(T=16, B=4, seed=5))
+    after = dict(tree_flatten(m.parameters()))
+    changed = {n.split(".")[1] for n, p in after.items() if not np.array_equal(before[n], np.array(p))}
+    assert changed == {"2", "3"}  # layers 2-3 serve the gate at 4; layers 0-1 (gate 2) did not move
+    with pytest.raises(M2R2Error, match="must name gates"):
+        train_gate_indices(m, "3")
