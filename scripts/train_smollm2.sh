@@ -7,7 +7,7 @@
 # 350 steps on data v2 and v3 together; the other intervals stay v6's. Then ARLA is trained anew.
 # The self-distilled answers of both data sets are kept in data/ and seed the answer logs, so nothing is
 # regenerated (m2r2-train --stage data only packs them into token rows).
-# Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): 350 training steps (~41 min), ARLA (~6 min).
+# Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): 350 training steps (37-41 min), ARLA (~5 min); 43 min end to end.
 # An interrupted run continues when run again (the answer logs and checkpoints are resumed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
