@@ -129,6 +129,11 @@ class Trainer:
                  top_k: int = 16, gate_indices: list[int] | None = None):
         self.m2r2, self.temperature, self.align, self.top_k = m2r2, temperature, align, top_k
         self.gate_indices = gate_indices  # None: every gate's interval trains
+        if gate_indices is not None:  # the other intervals' adapters neither run nor take optimizer state
+            for j, (start, stop) in enumerate(m2r2.config.intervals()):
+                if j not in gate_indices:
+                    for i in range(start, stop):
+                        m2r2.adapters[i].freeze()
         warmup = min(warmup, max(steps // 10, 1))
         schedule = optim.join_schedules(
             [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, max(steps - warmup, 1), lr * 0.05)], [warmup]
@@ -271,7 +276,7 @@ def train(args) -> Path:
 
 
 def train_gate_indices(m2r2, train_gates: str | None) -> list[int] | None:
-    """Indices of the gates --train-gates names; the other intervals' adapters are frozen."""
+    """Indices of the gates --train-gates names (None: all), for Trainer."""
     if not train_gates:
         return None
     gates = m2r2.config.gates
@@ -281,10 +286,6 @@ def train_gate_indices(m2r2, train_gates: str | None) -> list[int] | None:
         raise M2R2Error(f"--train-gates {train_gates} must name gates of the adapters, which are {gates}") from None
     if m2r2.config.adapter_form != "parallel_bottleneck":
         raise M2R2Error("--train-gates needs bottleneck adapters (a LoRA delta serves every interval of its layer)")
-    for j, (start, stop) in enumerate(m2r2.config.intervals()):
-        if j not in chosen:
-            for i in range(start, stop):
-                m2r2.adapters[i].freeze()
     return chosen
 
 
