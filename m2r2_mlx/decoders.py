@@ -98,12 +98,14 @@ def exit_rule(m2r2):
 
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
                  gate: int | None = None, max_draft: int = DEFAULT_DRAFT, threshold: float = DEFAULT_THRESHOLD,
-                 draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9) -> Decoder:
+                 draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9,
+                 scaled_tau: bool = True) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
     ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first);
     ``threshold`` stops a draft early when its confidence falls below it; ``draft_vocab`` scores
-    drafts over the model's N most frequent tokens only (None: the default where available, 0: all); ``tau`` is early exit's exit threshold.
+    drafts over the model's N most frequent tokens only (None: the default where available, 0: all); ``tau`` is early
+    exit's threshold at the first gate, deeper gates asking more unless ``scaled_tau`` is False (early_exit.gate_thresholds).
     """
     if mode == "plain":
         return partial(generate, lm.model, lm.tokenizer)
@@ -113,7 +115,8 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         from .early_exit import early_exit_generate
 
         m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
-        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2), exit_head=m2r2.exit_head)
+        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2), exit_head=m2r2.exit_head,
+                         scaled_tau=scaled_tau)
         decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
         return decode
     from .speculative import speculative_generate

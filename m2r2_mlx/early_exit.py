@@ -1,4 +1,5 @@
-"""Dynamic early exit (lossy): a token leaves the model at the first gate whose exit score reaches tau.
+"""Dynamic early exit (lossy): a token leaves the model at the first gate whose exit score reaches that
+gate's threshold (tau at the first gate; deeper gates ask more, see ``gate_thresholds``).
 
 Per token, gate by gate: the slow stream has reached g_(j-1); the exit candidate at
 gate j is either the M2R2 fast stream over interval j (``source="m2r2"``) or the slow
@@ -33,6 +34,22 @@ from .generate import PromptCache, TokenEvent, start_decoding
 from .sampling import Sampling, sample_from, sampling_probs
 
 
+def gate_thresholds(tau: float, exit_layers: Sequence[int], first: int, num_layers: int,
+                    scaled: bool = True) -> list[float]:
+    """The exit threshold at each gate, ``tau`` at the first gate checked (exit layer ``first``).
+
+    ``scaled``: a deeper gate asks more, in proportion to the compute it still saves. Exiting at
+    exit layer g risks an error with probability 1 - p and saves 1 - g / L of the layers; pricing
+    every error the same at every gate (one Lagrange multiplier) exits where 1 - p <= lam * (1 - g / L),
+    so tau_g = 1 - (1 - tau) * (L - g) / (L - first). Measured on SmolLM2 (docs/early_exit.md), this
+    saves more compute at equal agreement than one flat tau over the same gates. A tau above 1 still
+    never exits.
+    """
+    if not scaled:
+        return [tau] * len(exit_layers)
+    return [1 - (1 - tau) * (num_layers - g) / (num_layers - first) for g in exit_layers]
+
+
 def confidence(logits: mx.array, h_exit: mx.array, gate_index: int, trail: list) -> float:
     """Max-softmax confidence of the exit distribution (the plain baseline exit rule)."""
     return mx.softmax(logits.astype(mx.float32)).max().item()
@@ -43,7 +60,7 @@ class EarlyExit:
 
     def __init__(self, m2r2, cache: PromptCache, *, tau: float, source: str = "m2r2", rule: Callable = confidence,
                  gates: Sequence[int] | None = None, schedule: Callable[[int], int | None] | None = None,
-                 fused: bool = True, exit_head=None):
+                 fused: bool = True, exit_head=None, scaled_tau: bool = True):
         self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
         # A check scores the exit over exit_head's vocabulary subset (a SubsetHead; None: the full head):
         # a check that does not exit then costs a fraction of a full head's read.
@@ -54,6 +71,9 @@ class EarlyExit:
         allowed = set(m2r2.config.gates if gates is None else gates)
         self.check = [stop in allowed for _, stop in self.intervals]
         self.L = self.parts.num_layers
+        stops = [stop for _, stop in self.intervals]
+        first = min((g for g, c in zip(stops, self.check) if c), default=stops[0])
+        self.taus = gate_thresholds(tau, stops, first, self.L, scaled_tau)  # one per gate
         self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order
         # Cost counters. A layer pass reads the layer's weights once, whatever the chunk size: on a
         # memory-bound decoder that is the cost. Token-layers count the arithmetic (fills included).
@@ -121,7 +141,7 @@ class EarlyExit:
                 pos, h_exit = stop, h[:, -1:]
             subset = self.exit_head is not None
             logits = (self.exit_head if subset else self.parts.head)(h_exit)[0, -1]
-            if self.schedule or self.rule(logits, h_exit, j, trail) >= self.tau:
+            if self.schedule or self.rule(logits, h_exit, j, trail) >= self.taus[j]:
                 self._settle(h, pos)
                 return (self.exit_head.full(logits) if subset else logits), stop
         h = self._slow(h, pos, self.L)
@@ -157,16 +177,19 @@ def early_exit_generate(
     stats: dict | None = None,
     fused: bool = True,
     exit_head=None,
+    scaled_tau: bool = True,
 ) -> Iterator[TokenEvent]:
     """Decode with dynamic early exit; each event's ``exit_layer`` is the gate its token left at.
-    ``exit_head`` (a SubsetHead, e.g. ``m2r2.exit_head``) scores the exits over a vocabulary subset."""
+    ``tau`` is the exit threshold at the first gate checked; with ``scaled_tau`` deeper gates ask more
+    (``gate_thresholds``), else every gate asks ``tau``. ``exit_head`` (a SubsetHead, e.g.
+    ``m2r2.exit_head``) scores the exits over a vocabulary subset."""
     if seed is not None:
         mx.random.seed(seed)
     s = Sampling(temperature, top_p)
     pick = (lambda lg: int(mx.argmax(lg).item())) if s.greedy else (lambda lg: sample_from(sampling_probs(lg, s)))
     cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length)
     walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused,
-                       exit_head=exit_head)
+                       exit_head=exit_head, scaled_tau=scaled_tau)
     exit_layer = walker.L
     try:
         while True:

@@ -1,4 +1,5 @@
-"""Dynamic early exit: deferred KV fill is exact, tau above 1 is plain decoding, exits only at gates."""
+"""Dynamic early exit: deferred KV fill is exact, tau above 1 is plain decoding, exits only at gates,
+deeper gates ask more with scaled thresholds."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from mlx.utils import tree_map
 import mlx.core as mx
 
 from m2r2_mlx.adapters import new_m2r2
-from m2r2_mlx.early_exit import early_exit_generate
+from m2r2_mlx.early_exit import early_exit_generate, gate_thresholds
 from m2r2_mlx.generate import PromptCache, generate
 
 from .tiny import tiny_model
@@ -73,6 +74,31 @@ def test_exits_only_at_allowed_gates(lm, tiny_m2r2):
         events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.0, gates=gates, max_tokens=12))
         assert {e.exit_layer for e in events[1:]} <= allowed
         assert min(e.exit_layer for e in events[1:]) == min(allowed)  # tau 0: the first allowed gate, never before
+
+
+def test_scaled_thresholds_price_every_error_the_same():
+    gates, L = [6, 12, 18, 24], 30
+    taus = gate_thresholds(0.8, gates, 6, L)
+    assert taus[0] == pytest.approx(0.8) and taus == sorted(taus) and taus[-1] < 1
+    price = [(1 - t) / (1 - g / L) for t, g in zip(taus, gates)]  # risk accepted per unit of compute saved
+    assert price == pytest.approx([price[0]] * 4)
+    assert gate_thresholds(0.8, gates, 12, L)[1] == pytest.approx(0.8)  # tau belongs to the first gate checked
+    assert gate_thresholds(0.8, gates, 6, L, scaled=False) == [0.8] * 4
+    assert min(gate_thresholds(1.01, gates, 6, L)) > 1  # above 1 still never exits
+
+
+def test_scaled_tau_asks_more_at_deeper_gates(lm, tiny_m2r2):
+    """Gates at 2/4/6 of 8 layers, tau 0.8 at the first: scaled, gate 4 asks 0.867 and gate 6 0.933."""
+    def run(score_after_first, scaled):
+        rule = lambda logits, h, j, trail: 0.0 if j == 0 else score_after_first  # noqa: E731
+        events = early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.8, rule=rule, scaled_tau=scaled,
+                                     max_tokens=8)
+        return {e.exit_layer for e in list(events)[1:]}
+
+    assert run(0.85, scaled=False) == {4}
+    assert run(0.85, scaled=True) == {8}  # below gate 4's 0.867 and gate 6's 0.933
+    assert run(0.9, scaled=True) == {4}
+    assert run(0.95, scaled=True) == {4}
 
 
 def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):

@@ -151,6 +151,25 @@ def test_answer_agreement_scores_only_answer_positions():
     assert r == agreement(m, [(mx.array(toks)[None], slice(4, 11))])
 
 
+def test_perfect_exit_rule_bound():
+    """The bound on any exit rule: with one gate it is that gate's agreement times what an exit there saves;
+    a deeper gate only adds; with every token allowed to be wrong, all leave at the first gate."""
+    from m2r2_mlx.evaluate import answer_agreement, oracle_exit_saving
+
+    lm = tiny_model("llama")
+    one, both = new_m2r2(lm, gates=[2]), new_m2r2(lm, gates=[2, 3])
+    _randomize(both)
+    one.update({"adapters": both.parameters()["adapters"][:2]})  # the same first interval
+    seqs = [(_ids(T=12, B=1, seed=s)[0].tolist(), 4) for s in (1, 2)]
+    agree = answer_agreement(one, seqs)["m2r2"][0]
+    assert 0 < agree < 1  # a non-trivial case
+    L = one.parts.num_layers
+    assert oracle_exit_saving(one, seqs) == pytest.approx(agree * (1 - 2 / L))
+    assert oracle_exit_saving(both, seqs) > oracle_exit_saving(one, seqs)  # gate 3 saves the tokens gate 2 got wrong
+    assert oracle_exit_saving(both, seqs, slack=0.2) > oracle_exit_saving(both, seqs)
+    assert oracle_exit_saving(both, seqs, slack=1.0) == pytest.approx(1 - 2 / L)
+
+
 def test_per_interval_ranks_widen_and_round_trip(tmp_path):
     """One rank per gate interval; widening keeps what trained adapters compute and saves/loads."""
     from m2r2_mlx.adapters import widen_adapters

@@ -149,12 +149,11 @@ class ChatApp(App):
 
     def _job_switch(self, old) -> None:
         """Runs on the MLX thread: a new decoder for the same session (history and cache kept)."""
-        from m2r2_mlx.decoders import make_decoder
+        from .chat import make_decoder
 
         a = self.args
         try:
-            decoder = make_decoder(self.lm, a.mode, a.adapters, gate=a.gate, max_draft=a.draft,
-                                   threshold=a.threshold, draft_vocab=a.draft_vocab, tau=a.tau)
+            decoder = make_decoder(a, self.lm)
         except M2R2Error as e:
             a.mode, a.tau = old
             self.call_from_thread(self._post, f"error: {e}", "notice")

@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} "
                         "where the adapters have draft_vocab.json; 0 = the full LM head)")
     p.add_argument("--tau", type=float, default=0.9,
-                   help="early-exit threshold: exit at the first gate whose exit score reaches it (default: 0.9)")
+                   help="early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute "
+                        "they still save (default: 0.9)")
+    p.add_argument("--flat-tau", action="store_true", help="early exit: the same --tau at every gate")
     p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
@@ -70,12 +72,18 @@ def generation_options(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
 
 
+def make_decoder(args: argparse.Namespace, lm):
+    """The decoder the options name (also when the TUI switches mode or tau)."""
+    from m2r2_mlx.decoders import make_decoder as decoder_for
+
+    return decoder_for(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft, threshold=args.threshold,
+                       draft_vocab=args.draft_vocab, tau=args.tau, scaled_tau=not args.flat_tau)
+
+
 def make_session(args: argparse.Namespace, lm):
     from m2r2_mlx.chat import ChatSession
-    from m2r2_mlx.decoders import make_decoder
 
-    decoder = make_decoder(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft,
-                           threshold=args.threshold, draft_vocab=args.draft_vocab, tau=args.tau)
+    decoder = make_decoder(args, lm)
     expert_cache = None
     if args.memory_budget is not None:  # after the decoder: the M2R2 predictor wraps the layers, which would
         from m2r2_mlx.moe.serve import serve_with_budget  # rename the projections LoRA adapters attach to
