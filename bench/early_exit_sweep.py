@@ -174,9 +174,12 @@ def _main() -> int:
              f"checks score exits over {'all' if m2r2.exit_head is None else len(m2r2.exit_head)} tokens of the vocabulary.\n",
              "| method | setting | layer passes saved | exit-depth saved | token agreement | ROUGE-L vs full | speedup |",
              "|---|---|---|---|---|---|---|"]
+    def cell(value: float, spec: str) -> str:  # the bound's rows have no answer, so no ROUGE or speed
+        return "-" if np.isnan(value) else format(value, spec)
+
     lines += [f"| {r['method']} | {r['setting']} | {100 * r['saved']:.1f}% | {100 * r['depth_saved']:.1f}% | "
-              f"{100 * r['agreement']:.1f}% | {r['rouge']:.3f} | {r['speedup']:.2f}x |".replace("nan", "-").replace("-x", "-")
-              for r in rows]
+              f"{100 * r['agreement']:.1f}% | {cell(r['rouge'], '.3f')} | {cell(r['speedup'], '.2f')}"
+              f"{'' if np.isnan(r['speedup']) else 'x'} |" for r in rows]
     lines += ["", "The perfect exit rule sends each token of the full model's own answers out at the first gate whose "
               "fast-stream exit (over the same exit vocabulary) is the full model's token: no rule can save more at "
               "100% agreement; at 95%, the 5% of tokens that gain most also leave at the first gate, wrongly. It "

@@ -72,6 +72,8 @@ def select_questions(path: Path, categories: str, limit: int | None) -> list[dic
     unknown = [c for c in wanted if c not in CATEGORIES]
     if unknown:
         raise M2R2Error(f"unknown categories {unknown}; choose from {', '.join(CATEGORIES)}, mt_bench or all")
+    if limit is not None and limit < 1:
+        raise M2R2Error(f"at least 1 question per category is needed (got {limit}); raise --limit or --per-category")
     taken: Counter = Counter()
     out = []
     for line in path.read_text().splitlines():

@@ -66,7 +66,7 @@ class EarlyExit:
         # a check that does not exit then costs a fraction of a full head's read.
         self.exit_head = exit_head
         self.fused = fused and m2r2.can_fuse  # fast checks ride along the slow stream's layer passes
-        self.tau, self.source, self.rule, self.schedule = tau, source, rule, schedule
+        self.source, self.rule, self.schedule = source, rule, schedule
         self.intervals = m2r2.config.intervals()
         allowed = set(m2r2.config.gates if gates is None else gates)
         self.check = [stop in allowed for _, stop in self.intervals]
