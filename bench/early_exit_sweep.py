@@ -119,6 +119,7 @@ def _main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None)
     ap.add_argument("--taus", default="0.5,0.7,0.8,0.9,0.95")
+    ap.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
     ap.add_argument("--categories", default="mt_bench")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -128,7 +129,7 @@ def _main() -> int:
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the early-exit sweep")
     L = lm.num_layers
-    qs = select_questions(SPECBENCH, args.categories, args.limit)
+    qs = select_questions(args.questions, args.categories, args.limit)
     settings = methods(m2r2, [float(t) for t in args.taus.split(",")], L, args.max_tokens)
     rouge = rouge_scorer.RougeScorer(["rougeL"])
     plain_decode = partial(generate, lm.model, lm.tokenizer)

@@ -73,6 +73,7 @@ def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.exit_policies", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None)
+    ap.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
     ap.add_argument("--categories", default="all")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=96)
@@ -83,7 +84,7 @@ def _main() -> int:
     m2r2 = load_m2r2(lm, args.adapters, "the exit-policy benchmark")
     gates, L = list(m2r2.config.gates), lm.num_layers
     saved_at = 1 - np.array(gates) / L
-    qs = select_questions(SPECBENCH, args.categories, args.per_category)
+    qs = select_questions(args.questions, args.categories, args.per_category)
     scores, labels = features(m2r2, lm, qs, args.answer_tokens)
     off = np.inf  # a gate that is not checked
     policies = {f"flat tau, gates {'/'.join(map(str, gates[:n]))}": (lambda t, n=n: [t] * n + [off] * (len(gates) - n))

@@ -42,6 +42,7 @@ def _main() -> int:
     ap.add_argument("--thresholds", default="0")
     ap.add_argument("--draft-vocabs", default="0", help="0 = the full LM head")
     ap.add_argument("--unsure", default="verify", help="verify,drop: the draft below the threshold is verified (default) or dropped")
+    ap.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
     ap.add_argument("--categories", default="mt_bench", help="Spec-Bench categories, 'mt_bench' or 'all'")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -49,7 +50,7 @@ def _main() -> int:
     args = ap.parse_args()
 
     lm = load_model(args.model)
-    qs = select_questions(SPECBENCH, args.categories, args.limit)
+    qs = select_questions(args.questions, args.categories, args.limit)
     unsure = args.unsure.split(",")
     if bad := [u for u in unsure if u not in ("drop", "verify")]:
         raise M2R2Error(f"--unsure {','.join(bad)}: choose drop and/or verify")

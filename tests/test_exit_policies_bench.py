@@ -1,5 +1,6 @@
 """bench.exit_policies: the replay of an exit rule on fixed scores and labels, and a bad limit is one line."""
 
+import json
 import subprocess
 import sys
 
@@ -30,8 +31,10 @@ def test_frontier_keeps_the_most_saved_at_each_agreement_level():
 
 
 def test_zero_questions_per_category_is_one_clear_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.exit_policies", "--per-category", "0", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    questions = tmp_path / "question.jsonl"  # its own file: a fresh clone has no ../shared/specbench
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi."]}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "bench.exit_policies", "--questions", str(questions), "--per-category",
+                        "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "at least 1 question per category" in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "exit_policies.md").exists()
