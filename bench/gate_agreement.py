@@ -79,15 +79,17 @@ def _main() -> int:
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=96)
     ap.add_argument("--baseline", metavar="ADAPTERS", help="another adapters folder for the same model, scored on the same tokens")
-    ap.add_argument("--rows", type=Path, metavar="DATA.npy", help="a training run's token rows; its first --eval-rows are held out")
+    ap.add_argument("--rows", type=Path, nargs="+", default=[], metavar="DATA.npy",
+                    help="training runs' token rows; the first --eval-rows of each are held out")
     ap.add_argument("--eval-rows", type=int, default=16, help="held-out rows at the start of --rows (the trainer's --eval-rows)")
     ap.add_argument("--out", type=Path, default=Path("docs"))
     args = ap.parse_args()
 
     from m2r2_mlx.data import self_distill
 
-    if args.rows is not None and not args.rows.is_file():
-        raise M2R2Error(f"{args.rows} not found; pass the data.npy a training run wrote into its output folder")
+    for path in args.rows:
+        if not path.is_file():
+            raise M2R2Error(f"{path} not found; pass the data.npy a training run wrote into its output folder")
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the gate agreement benchmark")
     qs = select_questions(args.questions, "all", args.per_category)
@@ -103,10 +105,10 @@ def _main() -> int:
         return r
 
     results = {}
-    if args.rows is not None:
-        rows = np.load(args.rows)[: args.eval_rows]
-        results[f"held-out rows of {args.rows} ({len(rows)} rows)"] = scored(lambda m: gate_agreement(m, rows))
-    elif m2r2.config.extra.get("heldout_agreement") and baseline is None:
+    for path in args.rows:
+        rows = np.load(path)[: args.eval_rows]
+        results[f"held-out rows of {path} ({len(rows)} rows)"] = scored(lambda m: gate_agreement(m, rows))
+    if not args.rows and m2r2.config.extra.get("heldout_agreement") and baseline is None:
         results["held-out text and chat (training split)"] = m2r2.config.extra["heldout_agreement"]
     results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = scored(lambda m: answer_agreement(m, sequences))
     args.out.mkdir(parents=True, exist_ok=True)
