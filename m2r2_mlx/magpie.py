@@ -50,14 +50,19 @@ def evaluation_ngrams(path: Path, n: int) -> set[tuple[str, ...]]:
     if not path.is_file():
         raise M2R2Error(f"question file {path} not found; check --decontaminate")
     out: set[tuple[str, ...]] = set()
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            for turn in json.loads(line).get("turns", []):
-                out |= ngrams(turn, n)
+            try:
+                turns = json.loads(line)["turns"]
+            except (ValueError, KeyError, TypeError):
+                raise M2R2Error(f"{path}:{number} is not a question with 'turns'; --decontaminate takes Spec-Bench's "
+                                "question.jsonl format") from None
+            for turn in turns:
+                out |= ngrams(str(turn), n)
     return out
 
 
-def keep(request: str, seen: set[str], banned: set[tuple[str, ...]], overlap: int) -> str | None:
+def drop_reason(request: str, seen: set[str], banned: set[tuple[str, ...]], overlap: int) -> str | None:
     """Why ``request`` is dropped, or None to keep it."""
     key = " ".join(words(request))
     if not 3 <= len(key.split()) <= 200:
@@ -72,7 +77,10 @@ def keep(request: str, seen: set[str], banned: set[tuple[str, ...]], overlap: in
 def sample_requests(lm, n: int, *, temperature: float = 1.0, top_p: float = 0.95, max_tokens: int = 96,
                     seed: int = 0, banned: set | None = None, overlap: int = 8, batch_size: int = 64,
                     progress=None) -> tuple[list[str], dict[str, int]]:
-    """``n`` distinct user requests sampled from the pre-query template; returns them and the drop counts."""
+    """``n`` distinct user requests sampled from the pre-query template; returns them and the drop counts.
+
+    Gives up with one clear line after ``20 * n`` samples, as a model that does not end its requests (a base
+    model, or a template it was not tuned on) would otherwise be sampled forever."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
@@ -86,6 +94,10 @@ def sample_requests(lm, n: int, *, temperature: float = 1.0, top_p: float = 0.95
                          completion_batch_size=batch_size, prefill_batch_size=16)
     try:
         while len(kept) < n:
+            if sum(dropped.values()) + len(kept) >= 20 * n:
+                raise M2R2Error(f"only {len(kept)} of {n} requests kept after {20 * n} samples "
+                                f"({', '.join(f'{k} {v}' for k, v in dropped.items())}); raise --max-tokens, "
+                                "or use an instruction-tuned model")
             uids = gen.insert([prefix] * batch_size, [max_tokens] * batch_size)
             texts = {uid: [] for uid in uids}
             while texts and (responses := gen.next_generated()):
@@ -101,7 +113,7 @@ def sample_requests(lm, n: int, *, temperature: float = 1.0, top_p: float = 0.95
                         dropped["unfinished"] += 1
                         continue
                     request = tok.decode(ids).strip()
-                    why = keep(request, seen, banned or set(), overlap)
+                    why = drop_reason(request, seen, banned or set(), overlap)
                     if why:
                         dropped[why] += 1
                     elif len(kept) < n:

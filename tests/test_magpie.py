@@ -5,8 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from m2r2_mlx.data import read_prompts
-from m2r2_mlx.magpie import evaluation_ngrams, keep, pre_query_tokens, sample_requests
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.magpie import drop_reason, evaluation_ngrams, pre_query_tokens, sample_requests
 
 
 def test_pre_query_template_is_the_prefix_of_every_first_user_turn(lm):
@@ -23,13 +26,17 @@ def test_filters_drop_short_repeated_and_evaluation_overlapping_requests(tmp_pat
     q.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": [
         "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."]}) + "\n")
     banned = evaluation_ngrams(q, 8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(q.read_text() + "not json\n")
+    with pytest.raises(M2R2Error, match=r"bad.jsonl:2 is not a question with 'turns'"):
+        evaluation_ngrams(bad, 8)
     seen = {"how do i bake bread"}
-    assert keep("Hi there", seen, banned, 8) == "length"
-    assert keep("How do I bake BREAD?", seen, banned, 8) == "duplicate"  # case and punctuation do not make it new
-    assert keep("Please compose an engaging travel blog post about a recent trip to Hawaii now.", seen, banned, 8) \
+    assert drop_reason("Hi there", seen, banned, 8) == "length"
+    assert drop_reason("How do I bake BREAD?", seen, banned, 8) == "duplicate"  # case and punctuation do not make it new
+    assert drop_reason("Please compose an engaging travel blog post about a recent trip to Hawaii now.", seen, banned, 8) \
         == "evaluation overlap"
-    assert keep("Compose an engaging travel blog post on a trip to Rome.", seen, banned, 8) is None  # a 6-word run only
-    assert keep("Compose an engaging travel blog post on a trip to Rome.", seen, set(), 8) is None
+    assert drop_reason("Compose an engaging travel blog post on a trip to Rome.", seen, banned, 8) is None  # a 6-word run only
+    assert drop_reason("Compose an engaging travel blog post on a trip to Rome.", seen, set(), 8) is None
 
 
 def test_sampled_requests_are_distinct_and_answerable(lm, tmp_path):
@@ -42,6 +49,11 @@ def test_sampled_requests_are_distinct_and_answerable(lm, tmp_path):
     assert read_prompts(path) == [[r] for r in requests]
     again, _ = sample_requests(lm, 3, max_tokens=64, seed=1, batch_size=8)
     assert again == requests  # deterministic for a seed
+
+
+def test_a_model_that_never_ends_its_requests_is_one_clear_error(lm):
+    with pytest.raises(M2R2Error, match=r"only 0 of 1 requests kept after 20 samples \(unfinished \d+.*raise --max-tokens"):
+        sample_requests(lm, 1, max_tokens=1, seed=0, batch_size=10)  # one token never closes a request
 
 
 def test_cli_refuses_to_overwrite_and_a_bad_count(tmp_path):
