@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -77,6 +78,31 @@ class DistillLog:
                 f.write(json.dumps({"i": i, "turn": turn, "answer": answer}) + "\n")
 
 
+def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, sampler=None,
+                   batch_size: int = 96) -> Iterator[tuple[int, list[int], str]]:
+    """Generate from every prompt at once with continuous batching (mlx-lm's BatchGenerator); yields
+    (prompt index, tokens, finish reason) as each sequence finishes. The tokens end with the stop token
+    when the reason is "stop"; ``sampler`` None is greedy. Closing the iterator early stops generation."""
+    if not prompts:
+        return
+    from mlx_lm.generate import BatchGenerator
+
+    eos = lm.tokenizer.eos_token_ids
+    gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in eos], sampler=sampler, completion_batch_size=batch_size,
+                         prefill_batch_size=16)
+    try:
+        uids = gen.insert(prompts, [max_tokens] * len(prompts))
+        index = {uid: k for k, uid in enumerate(uids)}
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                tokens[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    yield index[r.uid], tokens.pop(r.uid), r.finish_reason
+    finally:
+        gen.close()
+
+
 def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: Path | None = None,
                  batch_size: int = 96, progress=None) -> list[Transcript]:
     """The base model's own greedy answers to every user turn, as chat transcripts.
@@ -87,8 +113,6 @@ def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: 
     itself). Generation batches continuously (mlx-lm's BatchGenerator); ``log_path``
     keeps finished answers so that a rerun skips them.
     """
-    from mlx_lm.generate import BatchGenerator
-
     tok = lm.tokenizer
     log = DistillLog(log_path)
     eos = set(tok.eos_token_ids)
@@ -109,22 +133,10 @@ def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: 
         pending = [i for i in todo if (i, turn) not in log.done]
         if progress:
             progress(len(todo) - len(pending))
-        if pending:
-            gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in eos], completion_batch_size=batch_size,
-                                 prefill_batch_size=16)
-            uids = gen.insert([prompts[i] for i in pending], [max_tokens] * len(pending))
-            owner = dict(zip(uids, pending))
-            answers = {uid: [] for uid in uids}
-            try:
-                while responses := gen.next_generated():
-                    for r in responses:
-                        answers[r.uid].append(r.token)  # a stop token is kept: the transcript ends with it
-                        if r.finish_reason is not None:
-                            log.add(owner[r.uid], turn, answers.pop(r.uid))
-                            if progress:
-                                progress(1)
-            finally:
-                gen.close()
+        for k, answer, _ in generate_batch(lm, [prompts[i] for i in pending], max_tokens, batch_size=batch_size):
+            log.add(pending[k], turn, answer)  # a stop token is kept: the transcript ends with it
+            if progress:
+                progress(1)
         for i in todo:
             if len(conversations[i]) == turn + 1:
                 transcripts[i] = Transcript(list(prompts[i]) + list(log.done[(i, turn)]), len(prompts[i]))

@@ -68,10 +68,10 @@ class EarlyExit:
         self.fused = fused and m2r2.can_fuse  # fast checks ride along the slow stream's layer passes
         self.source, self.rule, self.schedule = source, rule, schedule
         self.intervals = m2r2.config.intervals()
-        allowed = set(m2r2.config.gates if gates is None else gates)
-        self.check = [stop in allowed for _, stop in self.intervals]
-        self.L = self.parts.num_layers
         stops = [stop for _, stop in self.intervals]
+        allowed = set(m2r2.config.gates if gates is None else gates)
+        self.check = [stop in allowed for stop in stops]
+        self.L = self.parts.num_layers
         first = min((g for g, c in zip(stops, self.check) if c), default=stops[0])
         self.taus = gate_thresholds(tau, stops, first, self.L, scaled_tau)  # one per gate
         self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order

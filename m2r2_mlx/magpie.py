@@ -40,6 +40,11 @@ def words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower())
 
 
+def normal_form(text: str) -> str:
+    """What two requests that differ only in case, spacing or punctuation share."""
+    return " ".join(words(text))
+
+
 def ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     w = words(text)
     return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
@@ -64,7 +69,7 @@ def evaluation_ngrams(path: Path, n: int) -> set[tuple[str, ...]]:
 
 def drop_reason(request: str, seen: set[str], banned: set[tuple[str, ...]], overlap: int) -> str | None:
     """Why ``request`` is dropped, or None to keep it."""
-    key = " ".join(words(request))
+    key = normal_form(request)
     if not 3 <= len(key.split()) <= 200:
         return "length"
     if key in seen:
@@ -82,47 +87,34 @@ def sample_requests(lm, n: int, *, temperature: float = 1.0, top_p: float = 0.95
     Gives up with one clear line after ``20 * n`` samples, as a model that does not end its requests (a base
     model, or a template it was not tuned on) would otherwise be sampled forever."""
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
+
+    from .data import generate_batch
 
     tok = lm.tokenizer
     prefix = pre_query_tokens(tok)
-    eos = set(tok.eos_token_ids)
+    sampler = make_sampler(temperature, top_p)
     mx.random.seed(seed)
     kept, seen, dropped = [], set(), {"unfinished": 0, "length": 0, "duplicate": 0, "evaluation overlap": 0}
-    gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in eos], sampler=make_sampler(temperature, top_p),
-                         completion_batch_size=batch_size, prefill_batch_size=16)
-    try:
-        while len(kept) < n:
-            if sum(dropped.values()) + len(kept) >= 20 * n:
-                raise M2R2Error(f"only {len(kept)} of {n} requests kept after {20 * n} samples "
-                                f"({', '.join(f'{k} {v}' for k, v in dropped.items())}); raise --max-tokens, "
-                                "or use an instruction-tuned model")
-            uids = gen.insert([prefix] * batch_size, [max_tokens] * batch_size)
-            texts = {uid: [] for uid in uids}
-            while texts and (responses := gen.next_generated()):
-                for r in responses:
-                    if r.uid not in texts:
-                        continue
-                    if r.token not in eos:
-                        texts[r.uid].append(r.token)
-                    if r.finish_reason is None:
-                        continue
-                    ids = texts.pop(r.uid)
-                    if r.finish_reason != "stop":  # ran out of tokens mid-request
-                        dropped["unfinished"] += 1
-                        continue
-                    request = tok.decode(ids).strip()
-                    why = drop_reason(request, seen, banned or set(), overlap)
-                    if why:
-                        dropped[why] += 1
-                    elif len(kept) < n:
-                        seen.add(" ".join(words(request)))
-                        kept.append(request)
-                        if progress:
-                            progress(1)
-    finally:
-        gen.close()
+    while len(kept) < n:
+        if sum(dropped.values()) + len(kept) >= 20 * n:
+            raise M2R2Error(f"only {len(kept)} of {n} requests kept after {20 * n} samples "
+                            f"({', '.join(f'{k} {v}' for k, v in dropped.items())}); raise --max-tokens, "
+                            "or use an instruction-tuned model")
+        for _, ids, reason in generate_batch(lm, [prefix] * batch_size, max_tokens, sampler=sampler,
+                                             batch_size=batch_size):
+            if reason != "stop":  # ran out of tokens mid-request
+                dropped["unfinished"] += 1
+                continue
+            request = tok.decode(ids[:-1]).strip()  # the stop token ends it
+            why = drop_reason(request, seen, banned or set(), overlap)
+            if why:
+                dropped[why] += 1
+            elif len(kept) < n:
+                seen.add(normal_form(request))
+                kept.append(request)
+                if progress:
+                    progress(1)
     return kept, dropped
 
 
