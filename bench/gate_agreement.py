@@ -11,7 +11,8 @@ Writes docs/gate_agreement.md and docs/gate_agreement.png.
 Comparing two versions of the adapters on the same tokens: ``--baseline DIR`` adds that
 folder's fast stream as another column, and ``--rows build/smollm2/data.npy --eval-rows 24``
 scores the held-out rows of a training run (the first rows of its data.npy) with both,
-instead of quoting the figures stored in m2r2_config.json.
+instead of quoting the figures stored in m2r2_config.json; where the rows' loss mask
+(data.mask.npy) is beside them, the answer and text positions alone are scored too.
 """
 
 from __future__ import annotations
@@ -71,6 +72,34 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(evaluate, m2r2, baseline=None) -> dict:
+    """``evaluate(adapters)`` for the adapters, with the baseline adapters' M2R2 figures beside them."""
+    r = evaluate(m2r2)
+    if baseline is not None:
+        b = evaluate(baseline)
+        r["baseline"] = b["m2r2"]
+        if "scored" in b:
+            r["scored"]["baseline"] = b["scored"]["m2r2"]
+    return r
+
+
+def held_out_results(m2r2, baseline, paths: list[Path], eval_rows: int) -> dict:
+    """The first ``eval_rows`` of each rows file, every position; where the rows' loss mask is beside them,
+    the positions predicting answers and text (not prompts and template) as a table of their own."""
+    from m2r2_mlx.data import mask_path
+
+    results = {}
+    for path in paths:
+        rows = np.load(path)[:eval_rows]
+        mask = np.load(mask_path(path))[:eval_rows] if mask_path(path).is_file() else None
+        r = side_by_side(lambda m: gate_agreement(m, rows, mask=mask), m2r2, baseline)
+        answers = r.pop("scored", None)
+        results[f"held-out rows of {path} ({len(rows)} rows)"] = r
+        if answers:
+            results[f"held-out rows of {path}, answer and text positions only"] = {"gates": r["gates"], **answers}
+    return results
+
+
 def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gate_agreement", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -98,19 +127,11 @@ def _main() -> int:
     transcripts = self_distill(lm, [[p] for p in prompts], args.answer_tokens)
     sequences = [(t.tokens, t.prompt_len) for t in transcripts]
 
-    def scored(evaluate):
-        r = evaluate(m2r2)
-        if baseline is not None:
-            r["baseline"] = evaluate(baseline)["m2r2"]
-        return r
-
-    results = {}
-    for path in args.rows:
-        rows = np.load(path)[: args.eval_rows]
-        results[f"held-out rows of {path} ({len(rows)} rows)"] = scored(lambda m: gate_agreement(m, rows))
+    results = held_out_results(m2r2, baseline, args.rows, args.eval_rows)
     if not args.rows and m2r2.config.extra.get("heldout_agreement") and baseline is None:
         results["held-out text and chat (training split)"] = m2r2.config.extra["heldout_agreement"]
-    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = scored(lambda m: answer_agreement(m, sequences))
+    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = side_by_side(
+        lambda m: answer_agreement(m, sequences), m2r2, baseline)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "gate_agreement.png")
     md = table(results)

@@ -48,19 +48,31 @@ def atomic_folder(dest: str | Path, keep: Sequence[str] = ()) -> Iterator[Path]:
         raise
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def _atomic_write(path: str | Path, write, mode: str) -> Path:
+    """Write ``path`` through ``write(file)`` into a temporary sibling, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            write(f)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make shared files private
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
     return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return _atomic_write(path, lambda f: f.write(text), "w")
+
+
+def atomic_save_npy(path: str | Path, array) -> Path:
+    """``np.save`` that never leaves a half-written file (training rows, loss masks)."""
+    import numpy as np
+
+    return _atomic_write(path, lambda f: np.save(f, array), "wb")
 
 
 def atomic_save_figure(fig, path: str | Path, dpi: int = 120) -> Path:

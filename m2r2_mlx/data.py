@@ -45,10 +45,35 @@ def read_prompts(path: str | Path) -> list[list[str]]:
 def pack_rows(token_lists: list[list[int]], seq_len: int) -> np.ndarray:
     """Concatenate token lists and cut them into rows of ``seq_len`` (the tail is dropped)."""
     flat = np.fromiter((t for toks in token_lists for t in toks), dtype=np.int32)
+    return _cut_rows(flat, seq_len)
+
+
+def pack_loss_mask(token_lists: list[list[int]], scored_from: list[int], seq_len: int) -> np.ndarray:
+    """Which positions of ``pack_rows(token_lists, seq_len)`` the loss should score: position t of a
+    sequence predicts its token t+1, and is scored when that token is in the same sequence at index
+    ``scored_from`` or later (a transcript's answer: its prompt length; plain text: 0, every next token).
+    A sequence's last position predicts the next sequence's first token, a seam of the packing: never scored."""
+    if len(scored_from) != len(token_lists):
+        raise ValueError("one scored_from per token list")
+    flat = np.zeros(sum(map(len, token_lists)), dtype=bool)
+    at = 0
+    for toks, s in zip(token_lists, scored_from):
+        flat[at + max(s - 1, 0): at + len(toks) - 1] = True
+        at += len(toks)
+    return _cut_rows(flat, seq_len)
+
+
+def _cut_rows(flat: np.ndarray, seq_len: int) -> np.ndarray:
     n = len(flat) // seq_len
     if n == 0:
         raise M2R2Error(f"only {len(flat)} tokens of training data; need at least one row of {seq_len}")
     return flat[: n * seq_len].reshape(n, seq_len)
+
+
+def mask_path(rows_path: str | Path) -> Path:
+    """Where the loss mask of a rows file lives: data.npy -> data.mask.npy."""
+    rows_path = Path(rows_path)
+    return rows_path.with_name(rows_path.name.removesuffix(".npy") + ".mask.npy")
 
 
 @dataclass

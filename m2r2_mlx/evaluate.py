@@ -23,23 +23,38 @@ def exit_matches(m2r2, ids: mx.array, positions: slice, head=None) -> tuple[mx.a
 def agreement(m2r2, batches) -> dict:
     """For each gate: share of scored positions whose exit argmax equals the final layer's argmax.
 
-    ``batches`` yields (ids, positions): token ids (B, T) and the slice of positions to score.
+    ``batches`` yields (ids, positions) or (ids, positions, mask): token ids (B, T), the slice of positions
+    to score, and optionally a boolean (B, scored positions) array; with masks, the figures over the masked
+    positions alone come too, under "scored".
     """
     gates = m2r2.config.gates
-    naive = np.zeros(len(gates))
-    fast = np.zeros(len(gates))
-    total = 0
-    for ids, positions in batches:
+    counts = {k: np.zeros(len(gates)) for k in ("naive", "fast", "naive_scored", "fast_scored")}
+    total = scored = 0
+    masked = False
+    for ids, positions, *mask in batches:
         n, f = exit_matches(m2r2, ids, positions)
-        naive += np.array(n.sum((1, 2)))
-        fast += np.array(f.sum((1, 2)))
+        n, f = np.array(n), np.array(f)
+        counts["naive"] += n.sum((1, 2))
+        counts["fast"] += f.sum((1, 2))
         total += n[0].size
-    return {"gates": list(gates), "naive": (naive / total).tolist(), "m2r2": (fast / total).tolist(), "tokens": total}
+        if mask and mask[0] is not None:
+            masked, m = True, np.asarray(mask[0], dtype=bool)
+            counts["naive_scored"] += n[:, m].sum(1)
+            counts["fast_scored"] += f[:, m].sum(1)
+            scored += int(m.sum())
+    out = {"gates": list(gates), "naive": (counts["naive"] / total).tolist(), "m2r2": (counts["fast"] / total).tolist(),
+           "tokens": total}
+    if masked:
+        out["scored"] = {"naive": (counts["naive_scored"] / max(scored, 1)).tolist(),
+                         "m2r2": (counts["fast_scored"] / max(scored, 1)).tolist(), "tokens": scored}
+    return out
 
 
-def gate_agreement(m2r2, rows: np.ndarray, batch_size: int = 4) -> dict:
-    """Agreement at every position of fixed-length token rows."""
-    return agreement(m2r2, ((mx.array(rows[i : i + batch_size]), slice(None)) for i in range(0, len(rows), batch_size)))
+def gate_agreement(m2r2, rows: np.ndarray, batch_size: int = 4, mask: np.ndarray | None = None) -> dict:
+    """Agreement at every position of fixed-length token rows; with their loss ``mask`` (data.pack_loss_mask),
+    also at the positions it scores (answers and text, not prompts), under "scored"."""
+    return agreement(m2r2, ((mx.array(rows[i : i + batch_size]), slice(None), None if mask is None else mask[i : i + batch_size])
+                            for i in range(0, len(rows), batch_size)))
 
 
 def answer_agreement(m2r2, sequences: list[tuple[list[int], int]]) -> dict:

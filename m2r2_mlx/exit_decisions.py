@@ -19,10 +19,12 @@ import mlx.optimizers as optim
 import numpy as np
 
 
-def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None, exit_ids=None) -> dict:
+def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None, exit_ids=None,
+                     mask: np.ndarray | None = None) -> dict:
     """Per token and gate: fast-stream state h (N, J, D), exit statistics (N, J, 3: confidence, margin,
     entropy), confidence (N, J) and label (N, J). ``exit_ids``: score the exits over these tokens only
-    (as early exit does with ``m2r2.exit_head``); the label still asks for the full model's token."""
+    (as early exit does with ``m2r2.exit_head``); the label still asks for the full model's token.
+    ``mask`` (rows' shape): the tokens to keep (the loss mask: answers and text, as early exit meets them)."""
     from .arla import exit_stats
     from .base_model import SubsetHead
 
@@ -43,9 +45,10 @@ def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None,
             h_b.append(h)
         mx.eval(h_b, s_b, l_b)
         D = h_b[0].shape[-1]
-        hs.append(np.stack([np.array(h).reshape(-1, D) for h in h_b], axis=1))
-        stats.append(np.stack([np.array(x).reshape(-1, x.shape[-1]) for x in s_b], axis=1))
-        labels.append(np.stack([np.array(lb).ravel() for lb in l_b], axis=1))
+        keep = slice(None) if mask is None else mask[i : i + batch_size].ravel()
+        hs.append(np.stack([np.array(h).reshape(-1, D) for h in h_b], axis=1)[keep])
+        stats.append(np.stack([np.array(x).reshape(-1, x.shape[-1]) for x in s_b], axis=1)[keep])
+        labels.append(np.stack([np.array(lb).ravel() for lb in l_b], axis=1)[keep])
         if progress:
             progress(len(ids))
     stats = np.concatenate(stats)

@@ -25,16 +25,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .atomic import atomic_folder
+from .atomic import atomic_folder, atomic_save_npy
 from .cpu_kernels import fast_kernels
 from .adapters import load_adapters, new_m2r2, save_adapters, widen_adapters
-from .data import pack_rows, read_prompts, read_text_files, self_distill
+from .data import mask_path, pack_loss_mask, pack_rows, read_prompts, read_text_files, self_distill
 from .errors import M2R2Error, run_cli
 from .evaluate import gate_agreement
 from .losses import gate_loss, teacher_targets
 
 CHECKPOINT = "checkpoint"
 DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
+# beside it, data.mask.npy (data.mask_path): the positions that predict an answer or text token
 DISTILL_LOG = "distilled.jsonl"  # answers as they finish, for resuming an interrupted self-distillation
 DRAFT_VOCAB = "draft_vocab.json"  # written before the adapters folder is saved: ARLA needs it first
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
     p.add_argument("--top-k", type=int, default=16, help="distil over the union of the teacher's top-k tokens (default 16)")
     p.add_argument("--align", type=float, default=1.0, help="weight of the cosine alignment term")
+    p.add_argument("--loss-on", choices=("all", "answers"), default="all",
+                   help="positions the loss scores: every one (default), or only those predicting a self-distilled "
+                        "answer or plain-text token, leaving out prompts and chat template; ARLA then learns and is "
+                        "scored on those tokens too (needs the rows' loss mask, DATA.mask.npy, which --stage data writes)")
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows for the final evaluation")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
@@ -91,8 +96,9 @@ def parse_ranks(text: str) -> int | list[int]:
     return ranks[0] if len(ranks) == 1 else ranks
 
 
-def load_rows(args, lm, out: Path) -> np.ndarray:
-    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy, or given by --data)."""
+def load_rows(args, lm, out: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy, or given by --data),
+    and their loss mask (data.pack_loss_mask; cached beside them), None where there is none."""
     from tqdm.auto import tqdm
 
     if args.data:
@@ -102,11 +108,13 @@ def load_rows(args, lm, out: Path) -> np.ndarray:
         rows = np.load(path)
         if rows.ndim != 2 or rows.shape[1] != args.seq_len:
             raise M2R2Error(f"--data {path} holds rows of shape {rows.shape}, not (N, {args.seq_len}); match --seq-len")
-        return rows
+        return rows, _load_mask(mask_path(path), rows.shape)
     cache = out / DATA_CACHE
-    if cache.is_file():
-        return np.load(cache)
+    if cache.is_file() and (mask_path(cache).is_file() or not (args.text or args.prompts)):
+        rows = np.load(cache)
+        return rows, _load_mask(mask_path(cache), rows.shape)
     seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
+    scored_from = [0] * len(seqs)  # plain text: every next token
     if args.prompts:
         conversations = read_prompts(args.prompts)
         with tqdm(total=sum(map(len, conversations)), desc="self-distilling answers", unit="answer") as bar:
@@ -114,12 +122,33 @@ def load_rows(args, lm, out: Path) -> np.ndarray:
             transcripts = self_distill(lm, conversations, args.answer_tokens, log_path=out / DISTILL_LOG,
                                        progress=bar.update)
         seqs += [t.tokens for t in transcripts]
+        scored_from += [t.prompt_len for t in transcripts]  # the last answer only: the loss skips prompt and template
     if not seqs:
         raise M2R2Error("no training data: pass --text FILE... and/or --prompts FILE.jsonl")
-    rows = pack_rows(seqs, args.seq_len)
-    rows = rows[np.random.default_rng(args.seed).permutation(len(rows))]
-    np.save(cache, rows)
-    return rows
+    rows, mask = pack_rows(seqs, args.seq_len), pack_loss_mask(seqs, scored_from, args.seq_len)
+    order = np.random.default_rng(args.seed).permutation(len(rows))
+    rows, mask = rows[order], mask[order]
+    if cache.is_file():  # rows packed before masks were kept: add their mask, never replace them
+        if not np.array_equal(np.load(cache), rows):
+            raise M2R2Error(f"{cache} holds other rows than --text/--prompts give; use another -o, or --force to rebuild")
+    else:
+        atomic_save_npy(cache, rows)
+    atomic_save_npy(mask_path(cache), mask)
+    return rows, mask
+
+
+def _load_mask(path: Path, shape: tuple) -> np.ndarray | None:
+    if not path.is_file():
+        return None
+    mask = np.load(path)
+    if mask.shape != shape or mask.dtype != bool:
+        raise M2R2Error(f"{path} is not a boolean loss mask of shape {shape}; rebuild the rows with --stage data")
+    return mask
+
+
+def scored_positions(h: mx.array, scored: mx.array | None) -> mx.array:
+    """The states (B, T, D) at the flat position indices ``scored`` as (n, D); all of them, unchanged, for None."""
+    return h if scored is None else h.reshape(-1, h.shape[-1])[scored]
 
 
 class Trainer:
@@ -141,32 +170,34 @@ class Trainer:
         self.opt = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
         self.value_and_grad = nn.value_and_grad(m2r2, self.loss)
 
-    def loss(self, model, states, kv, final, rows, teacher):
+    def loss(self, model, states, kv, final, rows, teacher, scored):
         total, kls = 0.0, []
         for fast in model.fast_states(states, kv, self.gate_indices):
-            loss, kl = gate_loss(model.parts, fast, final, rows, teacher, self.temperature, self.align)
+            loss, kl = gate_loss(model.parts, scored_positions(fast, scored), final, rows, teacher, self.temperature,
+                                 self.align)
             total = total + loss
             kls.append(kl)
         return total, mx.stack(kls)
 
-    def frozen_pass(self, ids: mx.array):
-        """The slow stream and the teacher distribution: computed once per batch, no gradient."""
+    def frozen_pass(self, ids: mx.array, scored: mx.array | None = None):
+        """The slow stream and the teacher distribution: computed once per batch, no gradient. ``scored``: the
+        flat indices of the (B, T) positions the loss scores (None: all); the teacher's head runs on those only."""
         states, final, kv = self.m2r2.slow_pass(ids)
         states = {k: mx.stop_gradient(v) for k, v in states.items()}
         kv = [(mx.stop_gradient(k), mx.stop_gradient(v)) for k, v in kv]
-        final = mx.stop_gradient(final)
+        final = mx.stop_gradient(scored_positions(final, scored))
         rows, teacher = teacher_targets(self.m2r2.parts, final, self.temperature, self.top_k)
         mx.eval(states, kv, final, teacher)
-        return states, kv, final, rows, teacher
+        return states, kv, final, rows, teacher, scored
 
-    def step(self, ids: mx.array) -> tuple[float, list[float]]:
-        (loss, kls), grads = self.value_and_grad(self.m2r2, *self.frozen_pass(ids))
+    def step(self, ids: mx.array, scored: mx.array | None = None) -> tuple[float, list[float]]:
+        (loss, kls), grads = self.value_and_grad(self.m2r2, *self.frozen_pass(ids, scored))
         self.opt.update(self.m2r2, grads)
         mx.eval(self.m2r2.parameters(), self.opt.state, loss, kls)
         return loss.item(), kls.tolist()
 
-    def eval_loss(self, ids: mx.array) -> float:
-        loss, _ = self.loss(self.m2r2, *self.frozen_pass(ids))
+    def eval_loss(self, ids: mx.array, scored: mx.array | None = None) -> float:
+        loss, _ = self.loss(self.m2r2, *self.frozen_pass(ids, scored))
         return loss.item()
 
     def restore(self, path: Path) -> None:
@@ -204,8 +235,9 @@ def train(args) -> Path:
     lm.model.freeze()
     if args.stage == "data":
         with fast_kernels(not args.exact_kernels):
-            rows = load_rows(args, lm, out)
-        print(f"{out / DATA_CACHE}: {len(rows)} rows of {rows.shape[1]} tokens", file=sys.stderr)
+            rows, mask = load_rows(args, lm, out)
+        scored = "" if mask is None else f" ({100 * mask.mean():.0f}% of the positions predict answers or text)"
+        print(f"{out / DATA_CACHE}: {len(rows)} rows of {rows.shape[1]} tokens{scored}", file=sys.stderr)
         return out
     gates = [int(g) for g in args.gates.split(",")] if args.gates else None
     start = 0
@@ -224,9 +256,14 @@ def train(args) -> Path:
     if getattr(m2r2, "arla", None) is not None:
         m2r2.arla.freeze()  # adapter training leaves an inherited ARLA alone; the ARLA stage trains a new one
     with fast_kernels(not args.exact_kernels):  # self-distillation: data, not decoding
-        rows = load_rows(args, lm, out)
+        rows, mask = load_rows(args, lm, out)
+    if args.loss_on == "answers" and mask is None:
+        where = mask_path(args.data or out / DATA_CACHE)
+        raise M2R2Error(f"--loss-on answers needs the rows' loss mask {where}; rebuild the rows with --stage data, "
+                        "which writes it")
     n_eval = min(args.eval_rows, max(1, len(rows) // 10))
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
+    eval_mask, train_mask = (None, None) if mask is None else (mask[:n_eval], mask[n_eval:])
     if len(train_rows) < args.batch_size:
         raise M2R2Error(f"{len(train_rows)} training rows of {args.seq_len} tokens is fewer than one batch; add data")
 
@@ -241,9 +278,13 @@ def train(args) -> Path:
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training adapters", unit="step")
     tokens, t0 = 0, time.perf_counter()
     for step in bar:
-        ids = mx.array(train_rows[rng.integers(0, len(train_rows), args.batch_size)])
+        batch = rng.integers(0, len(train_rows), args.batch_size)
+        ids = mx.array(train_rows[batch])
+        scored = mx.array(np.flatnonzero(train_mask[batch])) if args.loss_on == "answers" else None
+        if scored is not None and scored.size == 0:
+            continue  # rows inside long prompts only: nothing to score (a mean over no positions would be NaN)
         with fast_kernels(not args.exact_kernels):
-            loss, kls = trainer.step(ids)
+            loss, kls = trainer.step(ids, scored)
         tokens += ids.size
         bar.set_postfix(loss=f"{loss:.3f}", kl="/".join(f"{k:.2f}" for k in kls),
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
@@ -252,7 +293,7 @@ def train(args) -> Path:
     bar.close()
 
     print("held-out evaluation…", file=sys.stderr)
-    metrics = gate_agreement(m2r2, eval_rows)
+    metrics = gate_agreement(m2r2, eval_rows, mask=eval_mask)
     extra = dict(m2r2.config.extra) if args.stage == "arla" else {}
     extra.update({
         "heldout_agreement": metrics,
@@ -265,13 +306,19 @@ def train(args) -> Path:
     if args.stage in ("arla", "both"):
         exit_ids = vocab[: args.exit_vocab] if args.exit_vocab else None
         with fast_kernels(not args.exact_kernels):  # features are training data, like the distilled answers
+            answers = args.loss_on == "answers"  # then ARLA too learns on the tokens early exit decides: answers
             extra["exit_auc"] = train_arla(m2r2, train_rows[: args.arla_rows], eval_rows, args.arla_steps, args.seed,
-                                           exit_ids)
+                                           exit_ids, train_mask[: args.arla_rows] if answers else None,
+                                           eval_mask if answers else None)
     m2r2.config.extra = extra
     save_adapters(m2r2, out, overwrite=True, keep=(DATA_CACHE, DISTILL_LOG, DRAFT_VOCAB))  # data: for --stage arla / --data
+    scored = metrics.get("scored")
     for j, g in enumerate(metrics["gates"]):
-        print(f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
-              f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
+        line = (f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
+                f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
+        if scored:
+            line += f"; answers and text only: {100 * scored['naive'][j]:.1f}% / {100 * scored['m2r2'][j]:.1f}% ({scored['tokens']})"
+        print(line)
     return out
 
 
@@ -289,9 +336,11 @@ def train_gate_indices(m2r2, train_gates: str | None) -> list[int] | None:
     return chosen
 
 
-def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, seed: int, exit_ids=None) -> dict:
+def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, seed: int, exit_ids=None,
+               train_mask: np.ndarray | None = None, eval_mask: np.ndarray | None = None) -> dict:
     """Second stage: ARLA on the trained adapters' exits, with the baselines' ROC AUC beside it;
-    ``exit_ids``: the vocabulary subset exits are scored over (recorded as config.exit_vocab)."""
+    ``exit_ids``: the vocabulary subset exits are scored over (recorded as config.exit_vocab); the masks:
+    the rows' tokens to learn from and score (None: all)."""
     from tqdm.auto import tqdm
 
     from .arla import ARLA
@@ -302,8 +351,8 @@ def train_arla(m2r2, train_rows: np.ndarray, eval_rows: np.ndarray, steps: int, 
     cfg.exit_vocab = 0 if exit_ids is None else len(exit_ids)
     m2r2.arla = ARLA(cfg.hidden_size, cfg.arla_dim, len(cfg.gates), exit_stats=True)
     with tqdm(total=len(train_rows) + len(eval_rows), desc="ARLA features", unit="row") as bar:
-        train_feats = collect_features(m2r2, train_rows, progress=bar.update, exit_ids=exit_ids)
-        eval_feats = collect_features(m2r2, eval_rows, progress=bar.update, exit_ids=exit_ids)
+        train_feats = collect_features(m2r2, train_rows, progress=bar.update, exit_ids=exit_ids, mask=train_mask)
+        eval_feats = collect_features(m2r2, eval_rows, progress=bar.update, exit_ids=exit_ids, mask=eval_mask)
     result = train_exit_decisions(m2r2, train_feats, eval_feats, steps, seed)
     for name, aucs in result["auc"].items():
         print(f"exit ROC AUC, {name:>12s}: " + "  ".join(f"L{g} {a:.3f}" for g, a in zip(cfg.gates, aucs)),

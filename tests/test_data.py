@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from m2r2_mlx.data import DistillLog, read_prompts, self_distill
+import numpy as np
+
+from m2r2_mlx.data import DistillLog, mask_path, pack_loss_mask, pack_rows, read_prompts, self_distill
 from m2r2_mlx.errors import M2R2Error
 
 
@@ -17,6 +19,20 @@ def test_read_prompts_takes_prompts_and_turns_and_names_bad_lines(tmp_path):
         path.write_text(json.dumps({"prompt": "ok"}) + "\n" + bad + "\n")
         with pytest.raises(M2R2Error, match=r"bad.jsonl:2 "):
             read_prompts(path)
+
+
+def test_loss_mask_scores_the_positions_that_predict_answers_and_text():
+    text = [10, 11, 12, 13, 14]
+    chat = [1, 2, 3, 20, 21, 22]  # a three-token prompt, then a three-token answer
+    rows = pack_rows([text, chat], 4)
+    mask = pack_loss_mask([text, chat], [0, 3], 4)
+    assert rows.tolist() == [[10, 11, 12, 13], [14, 1, 2, 3]]  # the tail (20, 21, 22) is dropped, from the mask too
+    # text: every position but its last (which would predict the chat's first token); chat: positions 2-4,
+    # whose next tokens are the answer's 20, 21, 22; its last position is a seam too
+    assert mask.tolist() == [[True, True, True, True], [False, False, False, True]]
+    full = pack_loss_mask([text, chat], [0, 3], 1).ravel()
+    assert np.flatnonzero(full).tolist() == [0, 1, 2, 3, 7, 8, 9]
+    assert mask_path("build/d/data.npy").as_posix() == "build/d/data.mask.npy"
 
 
 def test_distill_log_skips_a_torn_last_line(tmp_path):

@@ -1,6 +1,7 @@
 """Exit decisions: ROC AUC is right, ARLA trains on exits and drives early exit, the trainer's ARLA stage."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -65,6 +66,16 @@ def test_features_over_an_exit_vocabulary(tiny):
         sub = np.array(m.parts.head(h)[..., mx.array(ids)]).reshape(-1, len(ids))
         np.testing.assert_array_equal(feats["label"][:, j], np.array(ids)[sub.argmax(-1)] == target)
     assert not feats["label"][np.isin(target, ids, invert=True)].any()  # a token outside the subset never matches
+
+
+def test_features_keep_the_masked_tokens_only(tiny):
+    """A loss mask (answers, not prompts) keeps exactly those tokens' features, in order, across batches."""
+    _, m = tiny
+    rows = np.random.default_rng(3).integers(0, 64, size=(6, 16))
+    mask = np.random.default_rng(4).random(rows.shape) < 0.4
+    every, kept = collect_features(m, rows, batch_size=4), collect_features(m, rows, batch_size=4, mask=mask)
+    for key in ("h", "stats", "label"):
+        np.testing.assert_array_equal(kept[key], every[key][mask.ravel()])
 
 
 def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
@@ -133,11 +144,28 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
     r = subprocess.run([*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "-o", str(tmp_path / "d")],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {f.name for f in (tmp_path / "d").iterdir()} == {"data.npy"}
+    assert {f.name for f in (tmp_path / "d").iterdir()} == {"data.npy", "data.mask.npy"}
     rows = str(tmp_path / "d" / "data.npy")
-    first = subprocess.run([*common, "--data", rows, "--rank", "4", "-o", str(tmp_path / "a")],
+    mask = np.load(tmp_path / "d" / "data.mask.npy")
+    assert mask.shape == np.load(rows).shape and mask.all()  # plain text: every position (its last one, a seam, is in the dropped tail)
+    # rows packed before masks were kept get theirs added, the rows themselves untouched
+    (tmp_path / "d" / "data.mask.npy").unlink()
+    before = (tmp_path / "d" / "data.npy").read_bytes()
+    r = subprocess.run([*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "--resume", "-o",
+                        str(tmp_path / "d")], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "d" / "data.npy").read_bytes() == before
+    assert np.array_equal(np.load(tmp_path / "d" / "data.mask.npy"), mask)
+    first = subprocess.run([*common, "--data", rows, "--rank", "4", "--loss-on", "answers", "-o", str(tmp_path / "a")],
                            capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-2000:]
+    assert "answers and text only" in first.stdout
+    # rows without their mask: --loss-on answers says what is missing and how to get it, in one line
+    shutil.copy(rows, tmp_path / "bare.npy")
+    r = subprocess.run([*common, "--data", str(tmp_path / "bare.npy"), "--loss-on", "answers", "-o", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "bare.mask.npy" in r.stderr.strip().splitlines()[-1] and "--stage data" in r.stderr
     r = subprocess.run([*common, "--data", rows, "--init", str(tmp_path / "a"), "--rank", "8,4", "--train-gates", "10",
                         "-o", str(tmp_path / "w")], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -139,6 +139,24 @@ def test_short_training_lowers_the_loss():
     assert all(name.startswith("adapters.") for name, _ in tree_flatten(m.trainable_parameters()))
 
 
+def test_loss_on_scored_positions_is_the_loss_over_those_positions():
+    """Scoring the first half of every row equals the loss of the rows cut in half: a fast-stream position sees
+    only earlier ones, and the teacher's vocabulary subset is taken over the scored positions alone."""
+    from m2r2_mlx.train import Trainer
+
+    lm = tiny_model("llama", seed=4)
+    m = new_m2r2(lm, gates=[2, 4], rank=16)
+    trainer = Trainer(m, lr=3e-3, steps=4)
+    for _ in range(3):  # adapters away from zero
+        trainer.step(_ids(T=16, B=4, seed=5))
+    ids = _ids(T=16, B=3, seed=7)
+    first_half = mx.array(np.flatnonzero(np.arange(16)[None, :].repeat(3, 0) < 8))
+    assert trainer.eval_loss(ids, first_half) == pytest.approx(trainer.eval_loss(ids[:, :8]), rel=1e-5)
+    everything = mx.arange(3 * 16)
+    assert trainer.eval_loss(ids, everything) == pytest.approx(trainer.eval_loss(ids), rel=1e-6)
+    assert trainer.eval_loss(ids, first_half) != pytest.approx(trainer.eval_loss(ids), rel=1e-3)
+
+
 def test_answer_agreement_scores_only_answer_positions():
     from m2r2_mlx.evaluate import agreement, answer_agreement
 
@@ -149,6 +167,22 @@ def test_answer_agreement_scores_only_answer_positions():
     r = answer_agreement(m, [(toks, 5)])
     assert r["tokens"] == 12 - 5  # positions 4..10 predict the answer tokens 5..11
     assert r == agreement(m, [(mx.array(toks)[None], slice(4, 11))])
+
+
+def test_gate_agreement_under_a_mask_scores_the_masked_positions_alone():
+    from m2r2_mlx.evaluate import gate_agreement
+
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4])
+    _randomize(m)
+    rows = np.array(_ids(T=12, B=6, seed=8))
+    mask = np.zeros(rows.shape, dtype=bool)
+    mask[[1, 4]] = True  # two whole rows, in different batches of 4
+    r = gate_agreement(m, rows, mask=mask)
+    alone = gate_agreement(m, rows[[1, 4]])
+    assert r["tokens"] == 72 and r["scored"]["tokens"] == 24
+    assert r["scored"]["m2r2"] == pytest.approx(alone["m2r2"]) and r["scored"]["naive"] == pytest.approx(alone["naive"])
+    assert "scored" not in gate_agreement(m, rows)
 
 
 def test_perfect_exit_rule_bound():

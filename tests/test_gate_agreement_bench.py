@@ -1,9 +1,16 @@
-"""bench.gate_agreement: the comparison table's columns, and a missing --rows file is one line, not a traceback."""
+"""bench.gate_agreement: the comparison table's columns, held-out rows with and without their loss mask, and a
+missing --rows file is one line, not a traceback."""
 
 import subprocess
 import sys
 
-from bench.gate_agreement import table
+import numpy as np
+
+from bench.gate_agreement import held_out_results, table
+from m2r2_mlx.adapters import new_m2r2
+from m2r2_mlx.evaluate import gate_agreement
+
+from .tiny import tiny_model
 
 
 def test_table_adds_the_baseline_column_only_when_measured():
@@ -21,3 +28,23 @@ def test_missing_rows_file_is_one_clear_line(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "nope.npy not found" in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "gate_agreement.md").exists()
+
+
+def test_held_out_rows_of_several_files_each_keep_their_answer_positions(tmp_path):
+    base = tiny_model("llama", seed=31, vocab_size=64, num_hidden_layers=6)
+    m, other = new_m2r2(base, gates=[2, 4]), new_m2r2(base, gates=[2, 4], rank=8)
+    rng = np.random.default_rng(0)
+    paths = []
+    for name in ("a", "b"):
+        rows = rng.integers(0, 64, size=(3, 16))
+        np.save(tmp_path / f"{name}.npy", rows)
+        paths.append(tmp_path / f"{name}.npy")
+    mask = rng.random((3, 16)) < 0.5
+    np.save(tmp_path / "b.mask.npy", mask)  # only b has a loss mask
+    results = held_out_results(m, other, paths, eval_rows=2)
+    assert list(results) == [f"held-out rows of {paths[0]} (2 rows)", f"held-out rows of {paths[1]} (2 rows)",
+                             f"held-out rows of {paths[1]}, answer and text positions only"]
+    answers = results[f"held-out rows of {paths[1]}, answer and text positions only"]
+    assert answers["tokens"] == mask[:2].sum() and "baseline" in answers
+    direct = gate_agreement(m, np.load(paths[1])[:2], mask=mask[:2])["scored"]
+    assert answers["m2r2"] == direct["m2r2"] and answers["naive"] == direct["naive"]
