@@ -281,13 +281,12 @@ def train(args) -> Path:
         batch = rng.integers(0, len(train_rows), args.batch_size)
         ids = mx.array(train_rows[batch])
         scored = mx.array(np.flatnonzero(train_mask[batch])) if args.loss_on == "answers" else None
-        if scored is not None and scored.size == 0:
-            continue  # rows inside long prompts only: nothing to score (a mean over no positions would be NaN)
-        with fast_kernels(not args.exact_kernels):
-            loss, kls = trainer.step(ids, scored)
-        tokens += ids.size
-        bar.set_postfix(loss=f"{loss:.3f}", kl="/".join(f"{k:.2f}" for k in kls),
-                        tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        if scored is None or scored.size:  # rows inside long prompts only: nothing to score (the mean would be NaN)
+            with fast_kernels(not args.exact_kernels):
+                loss, kls = trainer.step(ids, scored)
+            tokens += ids.size
+            bar.set_postfix(loss=f"{loss:.3f}", kl="/".join(f"{k:.2f}" for k in kls),
+                            tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
             save_checkpoint(m2r2, trainer.opt, step + 1, out)
     bar.close()
