@@ -68,6 +68,7 @@ def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:
     """A plain one-token step (ms), then a draft step and k-token forwards as multiples of it: medians over
     rounds that time every kind once, side by side, so drift on a shared machine hits them alike."""
     cache = PromptCache(lm.model)
+    cache.keep_states = drafter.keeps_states  # as speculative decoding runs it: a context feature's draft reads them
     mx.eval(cache.forward(lm.tokenizer.encode("The history of the city begins with a small harbour. " * 12)))
 
     def forward(k: int):

@@ -12,7 +12,7 @@ from .atomic import atomic_folder, refuse_existing
 from .base_model import BaseParts, SubsetHead, config_hash
 from .config import ADAPTERS_FILE, M2R2Config, even_gates
 from .errors import M2R2Error
-from .fast_stream import M2R2Model
+from .fast_stream import ContextFeature, M2R2Model
 
 
 def config_for_base(lm, gates: list[int], **fields) -> M2R2Config:
@@ -54,9 +54,21 @@ def widen_adapters(m2r2: M2R2Model, ranks: int | list[int], seed: int = 0) -> M2
         new.up.weight = mx.concatenate([old.up.weight, mx.zeros((d, grow), dtype=old.up.weight.dtype)], axis=1)
     if getattr(m2r2, "arla", None) is not None:
         wide.arla = m2r2.arla
+    if getattr(m2r2, "context", None) is not None:
+        wide.context = m2r2.context
     wide.exit_head = m2r2.exit_head
     mx.eval(wide.parameters())
     return wide
+
+
+def add_context_feature(m2r2: M2R2Model) -> M2R2Model:
+    """Give the first interval a context feature (fast_stream.ContextFeature), zero-initialised: the model
+    computes what it did until it trains."""
+    if not m2r2.config.context_feature:
+        m2r2.config.context_feature = True
+        m2r2.context = ContextFeature(m2r2.config.hidden_size)
+        mx.eval(m2r2.context.parameters())
+    return m2r2
 
 
 def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, keep: tuple[str, ...] = ()) -> Path:

@@ -35,6 +35,10 @@ class M2R2Config:
     # Exits are scored over the first exit_vocab tokens of draft_vocab.json (the most frequent ones), as ARLA
     # was trained: a check then reads 4,096 rows of the LM head, not all of them. 0: the full vocabulary.
     exit_vocab: int = 0
+    # The first interval's fast stream starts from the token's embedding plus a learned projection of the
+    # previous position's final residual (fast_stream.ContextFeature): its six shallow layers otherwise see
+    # the context only through shallow keys and values.
+    context_feature: bool = False
     lora_targets: list[str] = field(default_factory=list)  # "lora" form: projection names (q_proj, qkv_proj, ...)
     lora_scale: float = 1.0  # "lora" form: delta = lora_scale * B(A(x)), PEFT's lora_alpha / r
     base_model: str = ""

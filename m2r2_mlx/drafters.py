@@ -30,14 +30,19 @@ class LayerDrafter:
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
         self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
         self.confidences: list[float] = []  # the last call's draft probabilities, a dropped one included
+        # A context feature reads the previous position's final residual: the cache keeps the verifier's
+        # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
+        self.keeps_states = adapters and gate_index == 0 and m2r2.config.context_feature
 
     def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
         drafts, qs, self.confidences = [], [], []
         drop = self.threshold > 0 and self.drop_unsure
         cur, steps = token, 0
+        h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
         while len(drafts) < limit:
-            logits = self.m2r2.draft_logits(mx.array(cur), self.gate_index, cache.layers, head=self.head,
-                                            adapters=self.adapters)
+            h = self.m2r2.draft_state(mx.array(cur), self.gate_index, cache.layers, self.adapters, h_prev)
+            logits = self.m2r2.parts.head(h) if self.head is None else self.head(h)
+            h_prev = h if self.keeps_states else None
             steps += 1  # each draft step wrote one provisional position
             if s.greedy:
                 probs = mx.softmax(logits.astype(mx.float32))
@@ -68,6 +73,7 @@ class LayerDrafter:
 
 class PromptLookupDrafter:
     exit_layer = 0  # drafted tokens used no layer at all
+    keeps_states = False
     name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):

@@ -75,6 +75,9 @@ class EarlyExit:
         first = min((g for g, c in zip(stops, self.check) if c), default=stops[0])
         self.taus = gate_thresholds(tau, stops, first, self.L, scaled_tau)  # one per gate
         self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order
+        # The previous token's deepest state, for a context feature: its final residual if it went the whole
+        # way, else its exit state (its deeper layers run later, in this token's pass). First: the prompt's.
+        self.h_prev = None if cache.states is None else cache.states[-1:][None]
         # Cost counters. A layer pass reads the layer's weights once, whatever the chunk size: on a
         # memory-bound decoder that is the cost. Token-layers count the arithmetic (fills included).
         self.layer_passes = 0
@@ -98,12 +101,13 @@ class EarlyExit:
             self.token_layers += h.shape[1]
         return h
 
-    def _fused(self, h: mx.array, start: int, stop: int) -> tuple[mx.array, mx.array]:
-        """Slow chunk and the new token's fast stream through one interval, one pass per layer.
+    def _fused(self, h: mx.array, j: int) -> tuple[mx.array, mx.array]:
+        """Slow chunk and the new token's fast stream through interval ``j``, one pass per layer.
 
-        The fast stream restarts from the new token's slow state at ``start``; it sees every
+        The fast stream restarts from the new token's slow state at the interval's start; it sees every
         earlier position at each layer, pending ones included (they are in the chunk)."""
-        layers, fast = self.cache.layers, h[:, -1:]
+        start, stop = self.intervals[j]
+        layers, fast = self.cache.layers, self.m2r2.start_state(j, h[:, -1:], self.h_prev)
         for i in range(start, stop):
             h = self._join(h, i)
             h, fast = self.m2r2.fused_layer(i, h, fast, layers[i])
@@ -128,12 +132,12 @@ class EarlyExit:
             if (forced != stop) if self.schedule else not self.check[j]:
                 continue
             if self.source == "m2r2" and self.fused:
-                h, h_exit = self._fused(h, pos, stop)  # the slow stream advances too: no layer is read twice
+                h, h_exit = self._fused(h, j)  # the slow stream advances too: no layer is read twice
                 pos = stop
             elif self.source == "m2r2":
                 # tokens still pending below a layer are missing from its cache: shift the fast stream's position
                 shift = {i: sum(c <= i for c, _ in self.pending) for i in range(start, stop)}
-                h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift)
+                h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift, self.h_prev)
                 self.layer_passes += stop - start
                 self.token_layers += stop - start
             else:
@@ -143,8 +147,10 @@ class EarlyExit:
             logits = (self.exit_head if subset else self.parts.head)(h_exit)[0, -1]
             if self.schedule or self.rule(logits, h_exit, j, trail) >= self.taus[j]:
                 self._settle(h, pos)
+                self.h_prev = h_exit
                 return (self.exit_head.full(logits) if subset else logits), stop
         h = self._slow(h, pos, self.L)
+        self.h_prev = h[:, -1:]
         return self.parts.head(h[:, -1:])[0, -1], self.L
 
     def flush(self) -> None:
@@ -187,7 +193,8 @@ def early_exit_generate(
         mx.random.seed(seed)
     s = Sampling(temperature, top_p)
     pick = (lambda lg: int(mx.argmax(lg).item())) if s.greedy else (lambda lg: sample_from(sampling_probs(lg, s)))
-    cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length)
+    cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length,
+                                           keep_states=m2r2.config.context_feature)
     walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused,
                        exit_head=exit_head, scaled_tau=scaled_tau)
     exit_layer = walker.L

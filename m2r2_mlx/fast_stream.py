@@ -37,6 +37,30 @@ class BottleneckAdapter(nn.Module):
         return self.up(nn.silu(self.down(self.norm(h))))
 
 
+class ContextFeature(nn.Module):
+    """The previous position's final residual, projected into the first interval's start: delta =
+    proj(rmsnorm(h_final at t-1)); ``proj`` starts at zero, so the stream starts as it was.
+
+    The first interval starts from the token's embedding alone and sees the context only through
+    the slow stream's keys and values of layers 0..g_1-1, shallow features; the previous position's
+    final state is the deepest summary of the context there is (EAGLE drafts from it). At decode time
+    it is free: the verifying forward computed it (or the drafter's own exit, for a second draft on).
+    """
+
+    def __init__(self, dims: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(dims)
+        self.proj = nn.Linear(dims, dims, bias=False)
+        self.proj.weight = mx.zeros_like(self.proj.weight)
+        # A fixed output scale: Adam moves every weight of ``proj`` by ~lr a step, which moves its output by
+        # ~lr * dims, many times an embedding's size (SmolLM2's RMS is 0.12): at scale 1 the first interval's
+        # loss doubled within ten steps of lr 1e-3.
+        self.scale = dims**-0.5
+
+    def __call__(self, h_prev: mx.array) -> mx.array:
+        return self.scale * self.proj(self.norm(h_prev))
+
+
 class SlowKVView:
     """The fast stream's window onto one layer's slow KV cache at decode time.
 
@@ -127,6 +151,8 @@ class M2R2Model(nn.Module):
         else:
             self.adapters = [BottleneckAdapter(config.hidden_size, r) for r in config.layer_ranks()]
             self.lora_switch = LoRASwitch(self.parts.layers, [])
+        if config.context_feature:
+            self.context = ContextFeature(config.hidden_size)
         self.exit_head = None  # SubsetHead exits are scored with (config.exit_vocab; None: the full head)
         if config.arla:
             self.arla = ARLA(config.hidden_size, config.arla_dim, len(config.gates), exit_stats=config.arla_exit_stats)
@@ -155,38 +181,56 @@ class M2R2Model(nn.Module):
                                    cache=FusedKV(cache))
         return out[:1], out[1:, -1:] + self.adapters[i](fast)
 
+    def start_state(self, gate_index: int, h_start: mx.array, h_prev: mx.array | None) -> mx.array:
+        """The fast stream's state entering interval ``gate_index``: the slow state there, plus (first interval,
+        with a context feature) the projected final residual of each token's previous position, ``h_prev``
+        (same shape; None or zeros where there is none)."""
+        if gate_index == 0 and h_prev is not None and getattr(self, "context", None) is not None:
+            return h_start + self.context(h_prev)
+        return h_start
+
     @property
     def can_fuse(self) -> bool:
         return bool(self.adapters)
 
     # ---- decode time -------------------------------------------------------------------
-    def fast_exit_state(self, h_start: mx.array, gate_index: int, cache_layers, shift: dict | None = None) -> mx.array:
+    def fast_exit_state(self, h_start: mx.array, gate_index: int, cache_layers, shift: dict | None = None,
+                        h_prev: mx.array | None = None) -> mx.array:
         """Fast-stream state at gate ``gate_index`` for new tokens whose slow state at the
         interval's start is ``h_start``; earlier positions come from ``cache_layers``
-        (``shift[i]``: positions not yet in layer i's cache, as in early exit's deferred fill)."""
+        (``shift[i]``: positions not yet in layer i's cache, as in early exit's deferred fill);
+        ``h_prev``: each token's previous final residual, for a context feature (start_state)."""
         start, stop = self.config.intervals()[gate_index]
         views = {i: SlowKVView(cache_layers[i], (shift or {}).get(i, 0)) for i in range(start, stop)}
         mask = self.parts.mask(h_start, views[start])
-        return self.fast_layers(h_start, start, stop, mask, views)
+        return self.fast_layers(self.start_state(gate_index, h_start, h_prev), start, stop, mask, views)
 
-    def draft_logits(self, token: mx.array, gate_index: int, cache_layers, head=None, adapters: bool = True) -> mx.array:
-        """Exit logits at a gate for one new token, for drafting.
+    def draft_logits(self, token: mx.array, gate_index: int, cache_layers, head=None, adapters: bool = True,
+                     h_prev: mx.array | None = None) -> mx.array:
+        """Exit logits at a gate for one new token, for drafting (``draft_state`` through the LM head, or
+        through ``head``, a SubsetHead restricting it to a vocabulary subset)."""
+        h = self.draft_state(token, gate_index, cache_layers, adapters, h_prev)
+        return self.parts.head(h) if head is None else head(h)
+
+    def draft_state(self, token: mx.array, gate_index: int, cache_layers, adapters: bool = True,
+                    h_prev: mx.array | None = None) -> mx.array:
+        """The exit state (D,) at a gate for one new token.
 
         Layers below the interval run as the slow stream (their K/V are the real ones);
         the interval's layers run as the fast stream and write provisional K/V for the
-        drafted position, which verification trims and recomputes. ``head`` (a SubsetHead)
-        restricts the LM head to a vocabulary subset; ``adapters=False`` gives the naive exit of the slow
-        state at the gate (layer-skip drafting without M2R2).
+        drafted position, which verification trims and recomputes. ``h_prev``: the final
+        residual of the position before (for a context feature; None: none). ``adapters=False``
+        gives the naive exit of the slow state at the gate (layer-skip drafting without M2R2).
         """
         start, stop = self.config.intervals()[gate_index]
         h = self.parts.embed(token.reshape(1, 1))
         h = self.parts.run_layers(h, 0, start, None, cache_layers)
         if adapters:
+            h = self.start_state(gate_index, h, None if h_prev is None else h_prev.reshape(h.shape))
             h = self.fast_layers(h, start, stop, None, cache_layers)
         else:
             h = self.parts.run_layers(h, start, stop, None, cache_layers)
-        h = h[0, -1]
-        return self.parts.head(h) if head is None else head(h)
+        return h[0, -1]
 
     # ---- training time -----------------------------------------------------------------
     def slow_pass(self, ids: mx.array):
@@ -202,6 +246,8 @@ class M2R2Model(nn.Module):
                 states[i + 1] = h
         T = ids.shape[1]
         kv = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
+        # each position's previous final residual (zeros at a row's start), for a context feature
+        states["prev"] = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
         return states, h, kv
 
     def fast_states(self, states: dict, kv, gate_indices=None) -> list[mx.array]:
@@ -211,7 +257,8 @@ class M2R2Model(nn.Module):
         mask = parallel_mask(T)
         out = []
         intervals = self.config.intervals()
-        for start, stop in (intervals if gate_indices is None else [intervals[j] for j in gate_indices]):
+        for j in range(len(intervals)) if gate_indices is None else gate_indices:
+            start, stop = intervals[j]
             views = {i: ParallelKV(*kv[i]) for i in range(start, stop)}
-            out.append(self.fast_layers(states[start], start, stop, mask, views))
+            out.append(self.fast_layers(self.start_state(j, states[start], states.get("prev")), start, stop, mask, views))
         return out

@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from .base_model import BaseParts
 from .errors import M2R2Error
 
 PREFILL_CHUNK = 512
@@ -51,6 +52,10 @@ class PromptCache:
         # Entries may be lazy 0-d arrays (a sampled token fed back before it is read,
         # so the decode loop never waits); they are resolved on first access.
         self._tokens: list[int | mx.array] = []
+        # Keep each forward's final residual states (``states``, (T, D): the final norm's input), for
+        # drafters and exit rules that read the previous position's deepest state (a context feature).
+        self.keep_states = False
+        self.states: mx.array | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -71,10 +76,13 @@ class PromptCache:
             raise M2R2Error("this model's KV cache cannot be trimmed (rotating or recurrent cache); /reset the conversation")
         trim_prompt_cache(self.layers, n)
         del self._tokens[-n:]
+        # states[-1] stays the last position's: what a drafter reads after verification trimmed the rejected
+        self.states = self.states[:-n] if self.states is not None and n < self.states.shape[0] else None
 
     def reset(self) -> None:
         self.layers = make_prompt_cache(self.model)
         self._tokens = []
+        self.states = None
 
     def tokens_to_prefill(self, prompt: Sequence[int]) -> list[int]:
         """Trim the cache to its common prefix with ``prompt``; return the tokens still to compute.
@@ -103,7 +111,14 @@ class PromptCache:
         else:
             ids = mx.array(tokens)
             self._tokens.extend(int(t) for t in tokens)
-        return self.model(ids[None], cache=self.layers)[0]
+        if not self.keep_states:
+            return self.model(ids[None], cache=self.layers)[0]
+        # the model's own forward, split where its final residual shows: the same operations, the same logits
+        parts = BaseParts(self.model)
+        h = parts.embed(ids[None])
+        h = parts.run_layers(h, 0, parts.num_layers, parts.mask(h, self.layers[0]), self.layers)
+        self.states = h[0]
+        return parts.head(h)[0]
 
 
 def prefill(cache: PromptCache, tokens: Sequence[int]) -> mx.array:
@@ -174,9 +189,11 @@ class EventStream:
         return ev
 
 
-def start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length):
-    """Shared set-up: context check, cache reuse and prefill. Returns (cache, logits, events)."""
+def start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length, keep_states: bool = False):
+    """Shared set-up: context check, cache reuse and prefill. Returns (cache, logits, events).
+    ``keep_states``: the cache keeps each forward's final residual states (PromptCache.states)."""
     cache = cache if cache is not None else PromptCache(model)
+    cache.keep_states, cache.states = keep_states, None
     if context_length:
         check_context(len(prompt), context_length)
         max_tokens = min(max_tokens, context_length - len(prompt))

@@ -39,7 +39,8 @@ def speculative_generate(
     if seed is not None:
         mx.random.seed(seed)
     s = Sampling(temperature, top_p)
-    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length)
+    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length,
+                                           keep_states=drafter.keeps_states)
     y = int(mx.argmax(logits).item()) if s.greedy else sample_from(sampling_probs(logits, s))
     ev = events.event(y)
     yield ev

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .atomic import atomic_folder, atomic_save_npy
 from .cpu_kernels import fast_kernels
-from .adapters import load_adapters, new_m2r2, save_adapters, widen_adapters
+from .adapters import add_context_feature, load_adapters, new_m2r2, save_adapters, widen_adapters
 from .data import mask_path, pack_loss_mask, pack_rows, read_prompts, read_text_files, self_distill
 from .errors import M2R2Error, run_cli
 from .evaluate import gate_agreement
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=parse_ranks, default=None,
                    help="adapter bottleneck rank, or one per gate interval (e.g. 256,64,64,64); with --init, "
                         "wider ranks widen the given adapters, which keep computing what they did (default 64)")
+    p.add_argument("--context-feature", action="store_true",
+                   help="the first interval's fast stream also reads the previous position's final state (a zero-"
+                        "initialised projection added to its start; with --init, added to the given adapters)")
     p.add_argument("--train-gates", help="comma-separated gates whose interval's adapters train (default: all); "
                    "the others stay as --init gave them and their fast stream does not run")
     p.add_argument("--seq-len", type=int, default=256)
@@ -163,6 +166,8 @@ class Trainer:
                 if j not in gate_indices:
                     for i in range(start, stop):
                         m2r2.adapters[i].freeze()
+                    if j == 0 and getattr(m2r2, "context", None) is not None:
+                        m2r2.context.freeze()
         warmup = min(warmup, max(steps // 10, 1))
         schedule = optim.join_schedules(
             [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, max(steps - warmup, 1), lr * 0.05)], [warmup]
@@ -252,6 +257,8 @@ def train(args) -> Path:
         m2r2 = new_m2r2(lm, gates=gates, every=args.every, rank=args.rank or 64)
     if args.rank and m2r2.config.adapter_rank != args.rank:
         m2r2 = widen_adapters(m2r2, args.rank, args.seed)
+    if args.context_feature:
+        add_context_feature(m2r2)
     gate_indices = train_gate_indices(m2r2, args.train_gates)
     if getattr(m2r2, "arla", None) is not None:
         m2r2.arla.freeze()  # adapter training leaves an inherited ARLA alone; the ARLA stage trains a new one

@@ -121,7 +121,7 @@ def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m
     from m2r2_mlx.early_exit import EarlyExit
 
     m, model = tiny_m2r2, tiny_m2r2.base
-    (g1, g2, g3), prompt = m.config.gates, PROMPTS[2]
+    (_, g2, g3), prompt = m.config.gates, PROMPTS[2]
     cache = full_cache(model, prompt[:-1])
     walker = EarlyExit(m, cache, tau=0.0, schedule=lambda i: g2)  # every token leaves at g2: pending from there
     for i, tok in enumerate([prompt[-1], 40, 41]):
@@ -131,7 +131,7 @@ def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m
     cache.record(new)
     h = walker._slow(m.parts.embed(mx.array([[new]])), 0, g2)  # the pending tokens join at g2, not before
     assert len(walker.pending) == 3
-    slow, fast = walker._fused(h, g2, g3)
+    slow, fast = walker._fused(h, 2)  # the third interval, [g2, g3)
     assert slow.shape[1] == 4 and not walker.pending  # the three pending tokens rode along
     ids = mx.array([cache.tokens])
     states, _, kv = m.slow_pass(ids)

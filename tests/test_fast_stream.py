@@ -3,25 +3,15 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.errors import M2R2Error
 
-from .tiny import CONFIGS, tiny_model
+from .tiny import CONFIGS, random_ids as _ids, randomize as _randomize, tiny_model
 
 ARCHS = list(CONFIGS)
-
-
-def _randomize(m2r2, scale=0.05, seed=1):
-    mx.random.seed(seed)
-    m2r2.update(tree_map(lambda p: mx.random.normal(p.shape) * scale, m2r2.parameters()))
-    mx.eval(m2r2.parameters())
-
-
-def _ids(T=9, B=2, seed=3, vocab=101):
-    return mx.array(np.random.default_rng(seed).integers(0, vocab, size=(B, T)))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -3,13 +3,13 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.errors import M2R2Error
 
-from .tiny import tiny_model
+from .tiny import random_ids, randomize, tiny_model
 
 TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -18,13 +18,11 @@ TARGETS = {
 
 
 def _ids(T=7, B=2, seed=3):
-    return mx.array(np.random.default_rng(seed).integers(0, 101, size=(B, T)))
+    return random_ids(T, B, seed)
 
 
 def _randomize(m, seed=1):
-    mx.random.seed(seed)
-    m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.1, m.parameters()))
-    mx.eval(m.parameters())
+    randomize(m, 0.1, seed)
 
 
 @pytest.mark.parametrize("arch", list(TARGETS))

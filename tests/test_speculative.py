@@ -12,7 +12,7 @@ from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.sampling import Sampling
 from m2r2_mlx.speculative import speculative_generate
 
-from .tiny import EosAs, tiny_model
+from .tiny import EosAs, random_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,7 @@ def tiny_m2r2(lm):
     return m
 
 
-def _prompts(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(20, 5000, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+_prompts = random_prompts
 
 
 @pytest.mark.parametrize("gate_index", [0, 1, 2])

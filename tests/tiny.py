@@ -6,6 +6,8 @@ import importlib
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
 
 from m2r2_mlx.registry import LoadedModel
 
@@ -29,6 +31,23 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> LoadedModel:
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return LoadedModel(f"tiny-{arch}", Path("."), model, None, config)
+
+
+def randomize(m2r2, scale: float = 0.05, seed: int = 1) -> None:
+    """Every trainable weight drawn at random (adapters that compute something), reproducibly."""
+    mx.random.seed(seed)
+    m2r2.update(tree_map(lambda p: mx.random.normal(p.shape) * scale, m2r2.parameters()))
+    mx.eval(m2r2.parameters())
+
+
+def random_ids(T: int = 9, B: int = 2, seed: int = 3, vocab: int = 101) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, vocab, size=(B, T)))
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 3-19 token ids from a real tokenizer's range."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(20, 5000, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
 
 
 class EosAs:

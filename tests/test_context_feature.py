@@ -1,0 +1,124 @@
+"""The first interval's context feature: the previous position's final residual, projected into its start."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+from m2r2_mlx.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.drafters import LayerDrafter
+from m2r2_mlx.early_exit import early_exit_generate
+from m2r2_mlx.generate import PromptCache, generate
+from m2r2_mlx.speculative import speculative_generate
+
+from .tiny import random_ids as _ids, random_prompts as _prompts, randomize as _randomize, tiny_model
+
+
+def test_zero_initialised_feature_changes_nothing():
+    lm = tiny_model("llama")
+    m = new_m2r2(lm, gates=[2, 4])
+    _randomize(m)
+    states, _, kv = m.slow_pass(_ids())
+    before = m.fast_states(states, kv)
+    add_context_feature(m)
+    assert m.config.context_feature
+    for a, b in zip(before, m.fast_states(states, kv)):
+        assert mx.array_equal(a, b).item()
+    _randomize(m, seed=2)  # once trained, the first interval reads it and the second does not
+    after = m.fast_states(states, kv)
+    assert not np.allclose(np.array(after[0]), np.array(before[0]), atol=1e-3)
+
+
+def test_training_path_equals_decode_path():
+    """Teacher-forced fast states read the previous position's final residual, as one decoded token does."""
+    lm = tiny_model("llama")
+    m = add_context_feature(new_m2r2(lm, gates=[2, 5]))
+    _randomize(m)
+    ids = _ids(T=8, B=1)
+    states, final, kv = m.slow_pass(ids)
+    fast = m.fast_states(states, kv)
+    for t in (0, 3, 7):
+        cache = make_prompt_cache(lm.model)
+        if t:
+            lm.model(ids[:, :t], cache=cache)
+        h_prev = final[:, t - 1 : t] if t else None  # a row's first position has none: zeros in training
+        got = m.fast_exit_state(states[0][:, t : t + 1], 0, cache, h_prev=h_prev)
+        np.testing.assert_allclose(np.array(got[:, 0]), np.array(fast[0][:, t]), atol=1e-4, rtol=1e-4)
+        drafted = m.draft_state(ids[0, t], 0, cache, h_prev=h_prev)  # the drafter's path too
+        np.testing.assert_allclose(np.array(drafted), np.array(fast[0][0, t]), atol=1e-4, rtol=1e-4)
+
+
+def test_cache_keeps_the_final_states_of_its_positions():
+    lm = tiny_model("llama")
+    ids = _ids(T=10, B=1)[0].tolist()
+    plain, kept = PromptCache(lm.model), PromptCache(lm.model)
+    kept.keep_states = True
+    a, b = plain.forward(ids[:6]), kept.forward(ids[:6])
+    assert mx.array_equal(a, b).item()  # the split forward is the model's own, bit for bit
+    m = new_m2r2(lm, gates=[2])
+    _, final, _ = m.slow_pass(mx.array([ids[:6]]))
+    np.testing.assert_allclose(np.array(kept.states), np.array(final[0]), atol=1e-5)
+    kept.forward(ids[6:])
+    kept.trim(2)  # verification rejected two drafts: states[-1] is the last kept position's
+    _, final, _ = m.slow_pass(mx.array([ids[:8]]))
+    np.testing.assert_allclose(np.array(kept.states[-1]), np.array(final[0, -1]), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ctx_m2r2(lm):
+    base = tiny_model("llama", seed=7, vocab_size=lm.config["vocab_size"], num_hidden_layers=8)
+    m = add_context_feature(new_m2r2(base, gates=[2, 4, 6]))
+    mx.random.seed(8)
+    m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.02, m.parameters()))
+    m.context.proj.weight = mx.random.normal(m.context.proj.weight.shape) * 0.5  # a feature strong enough to matter
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.mark.parametrize("max_draft", [1, 4])
+def test_speculative_with_the_feature_is_lossless(lm, ctx_m2r2, max_draft):
+    model, tok = ctx_m2r2.base, lm.tokenizer
+    drafter = LayerDrafter(ctx_m2r2, 0)
+    assert drafter.keeps_states
+    for prompt in _prompts(5, seed=max_draft):
+        plain = [e.token for e in generate(model, tok, prompt, max_tokens=24)]
+        spec = [e.token for e in speculative_generate(model, tok, prompt, drafter, max_tokens=24, max_draft=max_draft)]
+        assert spec == plain
+
+
+def test_drafts_read_the_verified_final_state(lm, ctx_m2r2):
+    """The first draft after verification reads the cache's last final state; without it the draft differs."""
+    prompt = _prompts(1, seed=5)[0]
+    cache = PromptCache(ctx_m2r2.base)
+    cache.keep_states = True
+    y = int(mx.argmax(cache.forward(prompt)[-1]).item())
+    with_state = ctx_m2r2.draft_logits(mx.array(y), 0, cache.layers, h_prev=cache.states[-1])
+    states, _, kv = ctx_m2r2.slow_pass(mx.array([prompt + [y]]))
+    fast = ctx_m2r2.fast_states(states, kv)[0]  # teacher-forced: y's start reads the prompt's last final state
+    np.testing.assert_allclose(np.array(with_state), np.array(ctx_m2r2.parts.head(fast[0, -1])), atol=1e-3)
+    for layer in cache.layers[:2]:  # the draft's provisional K/V
+        layer.trim(1)
+    without = ctx_m2r2.draft_logits(mx.array(y), 0, cache.layers)
+    assert not np.allclose(np.array(without), np.array(with_state), atol=1e-3)
+
+
+def test_early_exit_with_the_feature(lm, ctx_m2r2):
+    model, tok = ctx_m2r2.base, lm.tokenizer
+    for prompt in _prompts(3, seed=9):
+        plain = [e.token for e in generate(model, tok, prompt, max_tokens=20)]
+        never = [e.token for e in early_exit_generate(ctx_m2r2, tok, prompt, tau=1.5, max_tokens=20)]
+        assert never == plain
+        exits = [e.exit_layer for e in early_exit_generate(ctx_m2r2, tok, prompt, tau=0.0, max_tokens=20)]
+        assert set(exits[1:]) == {2}  # tau 0: every token after the prefill's leaves at the first gate
+
+
+def test_saved_and_loaded_with_the_adapters(tmp_path):
+    lm = tiny_model("llama")
+    m = add_context_feature(new_m2r2(lm, gates=[2, 4], rank=8))
+    _randomize(m)
+    back = load_adapters(lm, save_adapters(m, tmp_path / "ad"))
+    assert back.config == m.config and back.config.context_feature
+    want, got = dict(tree_flatten(m.parameters())), dict(tree_flatten(back.parameters()))
+    assert want.keys() == got.keys() and any(k.startswith("context.") for k in got)
+    assert all(mx.array_equal(want[k], got[k]).item() for k in want)
