@@ -234,7 +234,8 @@ class M2R2Model(nn.Module):
 
     # ---- training time -----------------------------------------------------------------
     def slow_pass(self, ids: mx.array):
-        """Frozen base over whole sequences: slow states at g_0 and every gate, final state, K/V."""
+        """Frozen base over whole sequences: slow states at g_0 and every gate (and under "prev", each position's
+        previous final state), the final state, K/V."""
         parts, gates = self.parts, set(self.config.gates)
         cache = make_prompt_cache(self.base)
         h = parts.embed(ids)
