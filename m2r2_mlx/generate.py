@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -65,6 +66,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    @cached_property
+    def parts(self) -> BaseParts:
+        """The model's embedding, layers and head, for the state-keeping forward (built once, when first needed)."""
+        return BaseParts(self.model)
+
     def record(self, token: int) -> None:
         """Note a token whose K/V a strategy writes into ``layers`` itself (early exit's layer-by-layer walk)."""
         self._tokens.append(token)
@@ -114,7 +120,7 @@ class PromptCache:
         if not self.keep_states:
             return self.model(ids[None], cache=self.layers)[0]
         # the model's own forward, split where its final residual shows: the same operations, the same logits
-        parts = BaseParts(self.model)
+        parts = self.parts
         h = parts.embed(ids[None])
         h = parts.run_layers(h, 0, parts.num_layers, parts.mask(h, self.layers[0]), self.layers)
         self.states = h[0]

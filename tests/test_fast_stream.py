@@ -6,7 +6,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.errors import M2R2Error
 
 from .tiny import CONFIGS, random_ids as _ids, randomize as _randomize, tiny_model
@@ -45,23 +45,30 @@ def test_zero_adapters_equal_plain_base_layers(arch):
     assert mx.array_equal(fast, slow).item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmoe"])
-def test_training_path_equals_decode_path(arch):
-    """Teacher-forced whole-sequence fast states match token-by-token decode over the shared cache."""
+@pytest.mark.parametrize("arch,context", [("llama", False), ("olmoe", False), ("llama", True)])
+def test_training_path_equals_decode_path(arch, context):
+    """Teacher-forced whole-sequence fast states match token-by-token decode over the shared cache, on the
+    early-exit path (fast_exit_state) and the drafter's (draft_state); with a context feature the first
+    interval reads the previous position's final residual in both."""
     lm = tiny_model(arch)
     m = new_m2r2(lm, gates=[2, 5])
+    if context:
+        add_context_feature(m)
     _randomize(m)
     ids = _ids(T=8, B=1)
-    states, _, kv = m.slow_pass(ids)
+    states, final, kv = m.slow_pass(ids)
     fast = m.fast_states(states, kv)
     for t in (0, 3, 7):
         cache = make_prompt_cache(lm.model)
         if t:
             lm.model(ids[:, :t], cache=cache)
+        h_prev = final[:, t - 1 : t] if t else None  # a row's first position has none: zeros in training
         for j, (start, _stop) in enumerate(m.config.intervals()):
             h_start = states[start][:, t : t + 1]
-            got = m.fast_exit_state(h_start, j, cache)
+            got = m.fast_exit_state(h_start, j, cache, h_prev=h_prev)
             np.testing.assert_allclose(np.array(got[:, 0]), np.array(fast[j][:, t]), atol=1e-4, rtol=1e-4)
+        drafted = m.draft_state(ids[0, t], 0, cache, h_prev=h_prev)  # writes provisional K/V: checked last
+        np.testing.assert_allclose(np.array(drafted), np.array(fast[0][0, t]), atol=1e-4, rtol=1e-4)
 
 
 def test_fast_stream_owns_no_kv_cache():

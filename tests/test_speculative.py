@@ -12,7 +12,7 @@ from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.sampling import Sampling
 from m2r2_mlx.speculative import speculative_generate
 
-from .tiny import EosAs, random_prompts, tiny_model
+from .tiny import EosAs, random_prompts as _prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,6 @@ def tiny_m2r2(lm):
     m.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.02, m.parameters()))
     mx.eval(m.parameters())
     return m
-
-
-_prompts = random_prompts
 
 
 @pytest.mark.parametrize("gate_index", [0, 1, 2])
