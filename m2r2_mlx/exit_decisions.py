@@ -22,7 +22,7 @@ import numpy as np
 def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None, exit_ids=None,
                      mask: np.ndarray | None = None) -> dict:
     """Per token and gate: fast-stream state h (N, J, D), exit statistics (N, J, 3: confidence, margin,
-    entropy), confidence (N, J) and label (N, J). ``exit_ids``: score the exits over these tokens only
+    entropy), confidence (N, J), the exit token (N, J) and label (N, J). ``exit_ids``: score the exits over these tokens only
     (as early exit does with ``m2r2.exit_head``); the label still asks for the full model's token.
     ``mask`` (rows' shape): the tokens to keep (the loss mask: answers and text, as early exit meets them)."""
     from .arla import exit_stats
@@ -30,29 +30,32 @@ def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None,
 
     parts = m2r2.parts
     subset = None if exit_ids is None else SubsetHead(parts, exit_ids)  # rows gathered once, not per batch
-    hs, stats, labels = [], [], []
+    hs, stats, labels, tokens = [], [], [], []
     for i in range(0, len(rows), batch_size):
         ids = mx.array(rows[i : i + batch_size])
         states, final, kv = m2r2.slow_pass(ids)
         target = parts.head(final).argmax(-1)
         fast = m2r2.fast_states(states, kv)
-        h_b, s_b, l_b = [], [], []
+        h_b, s_b, l_b, t_b = [], [], [], []
         for h in fast:
             logits = parts.head(h) if subset is None else subset(h)
             s_b.append(exit_stats(logits))
             token = logits.argmax(-1) if subset is None else subset.ids[logits.argmax(-1)]
             l_b.append(token == target)
+            t_b.append(token)
             h_b.append(h)
-        mx.eval(h_b, s_b, l_b)
+        mx.eval(h_b, s_b, l_b, t_b)
         D = h_b[0].shape[-1]
         keep = slice(None) if mask is None else mask[i : i + batch_size].ravel()
         hs.append(np.stack([np.array(h).reshape(-1, D) for h in h_b], axis=1)[keep])
         stats.append(np.stack([np.array(x).reshape(-1, x.shape[-1]) for x in s_b], axis=1)[keep])
         labels.append(np.stack([np.array(lb).ravel() for lb in l_b], axis=1)[keep])
+        tokens.append(np.stack([np.array(t).ravel() for t in t_b], axis=1)[keep])
         if progress:
             progress(len(ids))
     stats = np.concatenate(stats)
-    return {"h": np.concatenate(hs), "stats": stats, "confidence": stats[..., 0], "label": np.concatenate(labels)}
+    return {"h": np.concatenate(hs), "stats": stats, "confidence": stats[..., 0], "label": np.concatenate(labels),
+            "token": np.concatenate(tokens)}
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:

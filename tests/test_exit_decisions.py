@@ -64,7 +64,8 @@ def test_features_over_an_exit_vocabulary(tiny):
     target = np.array(m.parts.head(final).argmax(-1)).ravel()
     for j, h in enumerate(m.fast_states(states, kv)):
         sub = np.array(m.parts.head(h)[..., mx.array(ids)]).reshape(-1, len(ids))
-        np.testing.assert_array_equal(feats["label"][:, j], np.array(ids)[sub.argmax(-1)] == target)
+        np.testing.assert_array_equal(feats["token"][:, j], np.array(ids)[sub.argmax(-1)])
+        np.testing.assert_array_equal(feats["label"][:, j], feats["token"][:, j] == target)
     assert not feats["label"][np.isin(target, ids, invert=True)].any()  # a token outside the subset never matches
 
 
@@ -74,7 +75,7 @@ def test_features_keep_the_masked_tokens_only(tiny):
     rows = np.random.default_rng(3).integers(0, 64, size=(6, 16))
     mask = np.random.default_rng(4).random(rows.shape) < 0.4
     every, kept = collect_features(m, rows, batch_size=4), collect_features(m, rows, batch_size=4, mask=mask)
-    for key in ("h", "stats", "label"):
+    for key in ("h", "stats", "label", "token"):
         np.testing.assert_array_equal(kept[key], every[key][mask.ravel()])
 
 

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from bench.exit_policies import TARGETS, frontier, replay
+from bench.exit_policies import TARGETS, frontier, patience_odds, replay, with_patience
 
 SAVED_AT = np.array([0.8, 0.4])  # gates at 6 and 18 of 30 layers
 
@@ -28,6 +28,18 @@ def test_frontier_keeps_the_most_saved_at_each_agreement_level():
     best = frontier(scores, labels, SAVED_AT, lambda t: [t, np.inf])
     # right exits only (tau in (0.3, 0.6]) save 2 x 0.8 of 4 tokens at 100%; one wrong exit more costs 25 points
     assert best == [0.4] * len(TARGETS)
+
+
+def test_patience_exits_past_the_first_gate_only_where_the_previous_gate_agrees():
+    scores = np.array([[0.5, 0.95], [0.5, 0.95], [0.9, 0.1]])
+    tokens = np.array([[7, 7], [7, 8], [3, 4]])
+    patient = with_patience(scores, tokens)
+    # token 1's second exit (8) differs from its first (7): it may not leave there; the first gate is never held back
+    assert replay(patient, np.ones((3, 2), bool), [0.8, 0.9], SAVED_AT) == ((0.4 + 0.0 + 0.8) / 3, 1.0)
+    np.testing.assert_array_equal(patient[:, 0], scores[:, 0])
+    labels = np.array([[True, True], [False, False], [True, True], [False, True]])
+    tokens = np.array([[5, 5], [5, 5], [1, 2], [3, 4]])  # two agree (one right), two differ (both right)
+    assert patience_odds(labels, tokens) == [(0.5, 1.0)]
 
 
 def test_zero_questions_per_category_is_one_clear_line(tmp_path):
