@@ -234,8 +234,8 @@ class M2R2Model(nn.Module):
 
     # ---- training time -----------------------------------------------------------------
     def slow_pass(self, ids: mx.array):
-        """Frozen base over whole sequences: slow states at g_0 and every gate (and under "prev", each position's
-        previous final state), the final state, K/V."""
+        """Frozen base over whole sequences: slow states at g_0 and every gate (and, with a context feature,
+        under "prev" each position's previous final state), the final state, K/V."""
         parts, gates = self.parts, set(self.config.gates)
         cache = make_prompt_cache(self.base)
         h = parts.embed(ids)
@@ -247,8 +247,9 @@ class M2R2Model(nn.Module):
                 states[i + 1] = h
         T = ids.shape[1]
         kv = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
-        # each position's previous final residual (zeros at a row's start), for a context feature
-        states["prev"] = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+        if getattr(self, "context", None) is not None:  # only a context feature reads it: no copy for the others
+            # each position's previous final residual (zeros at a row's start)
+            states["prev"] = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
         return states, h, kv
 
     def fast_states(self, states: dict, kv, gate_indices=None) -> list[mx.array]:
