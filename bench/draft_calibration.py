@@ -39,29 +39,42 @@ from .specbench import SPECBENCH, select_questions
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0001]
 
 
-def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> list[tuple[float, bool]]:
-    """(first draft's probability, accepted?) for every verification step."""
+def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[list[tuple[float, bool]], list]:
+    """(first draft's probability, accepted?) for every verification step; beside them, what is known before the
+    draft is paid for: (the full model's probability of the token the draft follows, was the previous step's
+    draft accepted?, accepted?)."""
     from tqdm.auto import tqdm
 
-    pairs = []
+    pairs, signals = [], []
     for q in tqdm(questions, desc="drafting", unit="question"):
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
-        confs, stats = [], {}
-        original = drafter.draft
+        cache, confs, before, stats = PromptCache(lm.model), [], [], {}
+        forward, original, last = cache.forward, drafter.draft, {}
 
-        def draft(*args, **kwargs):
-            out = original(*args, **kwargs)
+        def keep_logits(tokens):
+            last["logits"] = forward(tokens)
+            return last["logits"]
+
+        def draft(c, y, *args, **kwargs):
+            # the row of the last forward that emitted y: the verifier's after the accepted drafts, the prefill's last
+            logits, drafts = last["logits"], last.get("drafts", [])
+            row = 1 if drafts and int(mx.argmax(logits[0]).item()) == drafts[0] else (0 if drafts else -1)
+            before.append(mx.softmax(logits[row].astype(mx.float32)).max().item())
+            out = original(c, y, *args, **kwargs)
+            last["drafts"] = out[0]
             confs.append(drafter.confidences[0] if out[0] else None)
             return out
 
-        drafter.draft = draft
+        cache.forward, drafter.draft = keep_logits, draft
         try:
-            list(speculative_generate(lm.model, lm.tokenizer, prompt, drafter, max_tokens=max_tokens, max_draft=1,
-                                      stats=stats))
+            list(speculative_generate(lm.model, lm.tokenizer, prompt, drafter, cache=cache, max_tokens=max_tokens,
+                                      max_draft=1, stats=stats))
         finally:
             del drafter.draft
-        pairs += [(c, n > 1) for c, n in zip(confs, stats["accepted"]) if c is not None]
-    return pairs
+        accepted = [n > 1 for n in stats["accepted"]]
+        pairs += [(c, a) for c, a in zip(confs, accepted) if c is not None]
+        signals += [(p, prev, a) for p, prev, a, c in zip(before, [None] + accepted, accepted, confs) if c is not None]
+    return pairs, signals
 
 
 def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:
@@ -136,6 +149,46 @@ def ceilings(costs) -> list[tuple[int, float]]:
     return [(k - 1, k / ((k - 1) * d + cost)) for k, cost in verified]
 
 
+def signal_table(signals) -> list[str]:
+    """Acceptance by what is known before drafting: the full model's probability of the token the draft follows,
+    and whether the previous step's draft was accepted. A signal worth a pre-draft gate would split the steps
+    into some far above the break-even acceptance and some far below."""
+    lines = ["| known before drafting | steps | accepted |", "|---|---|---|"]
+    edges = [0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0001]
+    for lo, hi in zip(edges, edges[1:]):
+        hits = [a for p, _, a in signals if lo <= p < hi]
+        if hits:
+            lines.append(f"| full model's probability of the last token {lo:.2f}-{min(hi, 1.0):.2f} | {len(hits)} | "
+                         f"{sum(hits) / len(hits):.0%} |")
+    for prev, label in ((True, "accepted"), (False, "rejected")):
+        hits = [a for _, p, a in signals if p is prev]
+        if hits:
+            lines.append(f"| previous step's draft {label} | {len(hits)} | {sum(hits) / len(hits):.0%} |")
+    return lines
+
+
+def acceptance_needed(costs, tokens_per_step: float = 3.0, speedup: float = 2.0) -> list[tuple[int, float, float]]:
+    """(drafts per step k, per-draft acceptance for ``tokens_per_step``, for ``speedup`` over plain) with every step
+    drafting k and each draft accepted with the same probability a after an accepted one: a step yields
+    1 + a + ... + a^k tokens and costs k draft steps and a (k+1)-token verification (only those measured).
+    nan: out of reach even with every draft accepted."""
+    def solve(goal) -> float:
+        if goal(1.0) < 0:
+            return float("nan")
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if goal(mid) >= 0 else (mid, hi)
+        return hi
+
+    out = []
+    for k, cost in sorted((int(n.split()[1]) - 1, c) for n, c in costs.items() if n.startswith("verify ")):
+        tokens = lambda a, k=k: sum(a ** i for i in range(k + 1))
+        step = k * costs["draft step"] + cost
+        out.append((k, solve(lambda a: tokens(a) - tokens_per_step), solve(lambda a: tokens(a) / step - speedup)))
+    return out
+
+
 def policy_table(pairs, costs) -> list[str]:
     lines = ["| verify the draft when its probability is at least | steps | their acceptance | "
              "speedup, drafting every step | speedup, drafting only those steps (oracle) |", "|---|---|---|---|---|"]
@@ -144,7 +197,12 @@ def policy_table(pairs, costs) -> list[str]:
     best = ", ".join(f"{k} draft{'s' if k > 1 else ''} {x:.2f}x" for k, x in ceilings(costs))
     lines += ["", "The oracle column bounds any signal that says, before drafting, whether this step's draft will be "
                   "sure: it saves the draft steps that buy nothing, and no more. With every draft accepted, the "
-                  f"measured costs allow at most: {best}."]
+                  f"measured costs allow at most: {best}.", "",
+              "Per-draft acceptance needed, every step drafting k (each draft accepted with the same probability "
+              "after an accepted one):", "",
+              "| drafts per step | for 3.0 tokens per step | for 2.0x plain |", "|---|---|---|"]
+    pct = lambda a: "out of reach" if a != a else f"{a:.0%}"
+    lines += [f"| {k} | {pct(t)} | {pct(x)} |" for k, t, x in acceptance_needed(costs)]
     return lines
 
 
@@ -187,13 +245,14 @@ def _main() -> int:
     drafter = make_drafter(lm, "speculative", args.adapters, gate=args.gate, threshold=0.0)
     questions = select_questions(args.questions, args.categories, args.limit)
     costs = step_costs(lm, drafter)
-    pairs = acceptance_by_confidence(lm, drafter, questions, args.max_tokens)
+    pairs, signals = acceptance_by_confidence(lm, drafter, questions, args.max_tokens)
     cost_line = ", ".join(f"{k} {v:.2f}x" for k, v in costs.items() if k != "plain step ms")
     lines = ["# Draft calibration\n",
              f"`python -m bench.draft_calibration {' '.join(sys.argv[1:])}`: {drafter.name}, {len(questions)} Spec-Bench "
              f"first turns ({args.categories}), one draft per step, greedy, float32, {blas_info().name} BLAS.\n",
              f"Cost as multiples of a plain one-token step (medians of 21 interleaved rounds): {cost_line}.\n", *table(pairs, costs),
              "", "## What a drafting policy can reach\n", *policy_table(pairs, costs),
+             "", "## Signals known before drafting\n", *signal_table(signals),
              "", f"![acceptance by draft probability]({args.out.with_suffix('.png').name})"]
     text = "\n".join(lines) + "\n"
     atomic_write_text(args.out, text)

@@ -26,10 +26,10 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import numpy as np
 
 from m2r2_mlx.adapters import load_adapters
-from m2r2_mlx.atomic import atomic_save_figure
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoders import load_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
-from m2r2_mlx.evaluate import answer_agreement, gate_agreement
+from m2r2_mlx.evaluate import answer_agreement, answer_batches, context_feature_ablation, gate_agreement, row_batches
 from m2r2_mlx.registry import load_model
 
 from .specbench import SPECBENCH, select_questions
@@ -100,6 +100,28 @@ def held_out_results(m2r2, baseline, paths: list[Path], eval_rows: int) -> dict:
     return results
 
 
+def context_table(m2r2, sets: dict) -> str:
+    """With a context feature: the first gate's agreement by what the feature reads (evaluate.context_feature_ablation)."""
+    if not m2r2.config.context_feature:
+        return ""
+    g = m2r2.config.gates[0]
+    lines = ["", f"### L{g}: what the context feature reads", "",
+             "At decode time the first draft after a verification reads the previous position's final state, as "
+             "training does; a second or third draft, and a token after an early exit, read the previous "
+             f"position's L{g} exit state instead (a stand-in: no final state exists there yet). "
+             f"\"After a right exit\": only positions whose previous L{g} exit was right, as before a second draft. "
+             "The position before keeps the slow stream's keys and values (a second draft also attends to the first "
+             "draft's provisional ones), to isolate what the feature reads. Every position of the held-out rows, "
+             "answer positions of Spec-Bench.", "",
+             "| tokens | final state | stand-in | nothing | after a right exit: final state | stand-in | nothing |",
+             "|---|---|---|---|---|---|---|"]
+    for name, batches in sets.items():
+        r = context_feature_ablation(m2r2, batches)
+        cells = [f"{100 * r[k][i]:.1f}%" for i in (0, 1) for k in ("final", "stand-in", "none")]
+        lines.append(f"| {name} ({r['tokens']}; {r['after a right exit']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gate_agreement", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -132,10 +154,13 @@ def _main() -> int:
         results["held-out text and chat (training split)"] = m2r2.config.extra["heldout_agreement"]
     results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = side_by_side(
         lambda m: answer_agreement(m, sequences), m2r2, baseline)
+    context = context_table(m2r2, {
+        **{f"held-out rows of {p}": row_batches(np.load(p)[:args.eval_rows]) for p in args.rows},
+        "Spec-Bench answers": answer_batches(sequences)})
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "gate_agreement.png")
-    md = table(results)
-    (args.out / "gate_agreement.md").write_text(
+    md = table(results) + context
+    atomic_write_text(args.out / "gate_agreement.md",
         "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
         f"(`python -m bench.gate_agreement {' '.join(sys.argv[1:])}`).\n\n"
         + md + "\n![agreement per gate](gate_agreement.png)\n"

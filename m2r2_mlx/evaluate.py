@@ -50,16 +50,26 @@ def agreement(m2r2, batches) -> dict:
     return out
 
 
+def row_batches(rows: np.ndarray, batch_size: int = 4, mask: np.ndarray | None = None):
+    """``agreement`` batches over fixed-length token rows, every position scored (``mask``: their loss mask)."""
+    return ((mx.array(rows[i : i + batch_size]), slice(None), None if mask is None else mask[i : i + batch_size])
+            for i in range(0, len(rows), batch_size))
+
+
+def answer_batches(sequences: list[tuple[list[int], int]]):
+    """``agreement`` batches over (tokens, prompt_length) sequences, scoring the positions that predict answer tokens."""
+    return ((mx.array(toks)[None], slice(plen - 1, -1)) for toks, plen in sequences)
+
+
 def gate_agreement(m2r2, rows: np.ndarray, batch_size: int = 4, mask: np.ndarray | None = None) -> dict:
     """Agreement at every position of fixed-length token rows; with their loss ``mask`` (data.pack_loss_mask),
     also at the positions it scores (answers and text, not prompts), under "scored"."""
-    return agreement(m2r2, ((mx.array(rows[i : i + batch_size]), slice(None), None if mask is None else mask[i : i + batch_size])
-                            for i in range(0, len(rows), batch_size)))
+    return agreement(m2r2, row_batches(rows, batch_size, mask))
 
 
 def answer_agreement(m2r2, sequences: list[tuple[list[int], int]]) -> dict:
     """Agreement at the positions that predict answer tokens; sequences are (tokens, prompt_length)."""
-    return agreement(m2r2, ((mx.array(toks)[None], slice(plen - 1, -1)) for toks, plen in sequences))
+    return agreement(m2r2, answer_batches(sequences))
 
 
 def perfect_rule_saving(labels: np.ndarray, saved_at: np.ndarray, slack: float = 0.0) -> float:
@@ -81,3 +91,41 @@ def oracle_exit_saving(m2r2, sequences: list[tuple[list[int], int]], slack: floa
     labels = [np.array(exit_matches(m2r2, mx.array(toks)[None], slice(plen - 1, -1), head)[1][:, 0]).T
               for toks, plen in sequences]
     return perfect_rule_saving(np.concatenate(labels), 1 - np.array(m2r2.config.gates) / m2r2.parts.num_layers, slack)
+
+
+def first_gate_by_context(m2r2, states: dict, kv) -> dict[str, mx.array]:
+    """The first gate's fast state (B, T, D), teacher-forced (``slow_pass``'s states and K/V), with the context
+    feature reading each position's previous final state ("final"), the previous position's own first-gate exit
+    state ("stand-in", itself computed from the final state before it) or nothing ("none")."""
+    first_gate = lambda prev: m2r2.fast_states({**states, "prev": prev}, kv, [0])[0]
+    h = first_gate(states["prev"])
+    stand_in = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+    return {"final": h, "stand-in": first_gate(stand_in), "none": first_gate(mx.zeros_like(stand_in))}
+
+
+def context_feature_ablation(m2r2, batches) -> dict:
+    """First-gate agreement of adapters with a context feature, by what the feature reads at each position:
+    the previous position's final state ("final": training's input, and a first draft's at decode time), the
+    first gate's own exit state there ("stand-in": what a second or third draft, or a token after an early
+    exit, reads at decode time, where no final state exists yet) or nothing ("none": the feature zeroed).
+    "after a right exit" keeps only positions whose previous first-gate exit was right, as before a second draft.
+    ``batches`` as for ``agreement``."""
+    parts = m2r2.parts
+    hits = {k: np.zeros(2) for k in ("final", "stand-in", "none")}  # [all positions, after a right exit]
+    total = after_right = 0
+    for ids, positions, *_ in batches:
+        states, final, kv = m2r2.slow_pass(ids)
+        target = parts.head(final).argmax(-1)
+        right = {name: np.array(parts.head(h).argmax(-1) == target)
+                 for name, h in first_gate_by_context(m2r2, states, kv).items()}
+        prev_right = np.zeros_like(right["final"])
+        prev_right[:, 1:] = right["final"][:, :-1]
+        scored = np.zeros_like(prev_right)
+        scored[:, positions] = True
+        scored[:, 0] = False  # a row's first position has no previous one
+        for name, r in right.items():
+            hits[name] += [(r & scored).sum(), (r & scored & prev_right).sum()]
+        total += int(scored.sum())
+        after_right += int((scored & prev_right).sum())
+    return {"tokens": total, "after a right exit": after_right,
+            **{name: (h / [max(total, 1), max(after_right, 1)]).tolist() for name, h in hits.items()}}

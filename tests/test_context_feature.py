@@ -102,3 +102,38 @@ def test_saved_and_loaded_with_the_adapters(tmp_path):
     want, got = dict(tree_flatten(m.parameters())), dict(tree_flatten(back.parameters()))
     assert want.keys() == got.keys() and any(k.startswith("context.") for k in got)
     assert all(mx.array_equal(want[k], got[k]).item() for k in want)
+
+
+def test_the_stand_in_is_what_a_second_draft_reads(lm, ctx_m2r2):
+    """evaluate.first_gate_by_context's stand-in: the context a second draft reads at decode time, where the
+    first draft's exit state takes the place of a final state not computed yet. (A second draft also attends to
+    the first draft's provisional K/V; the ablation keeps the slow stream's, as here, to isolate the feature.)"""
+    from m2r2_mlx.evaluate import first_gate_by_context
+
+    ids = _prompts(1, seed=11)[0] + [5, 17]
+    cache = PromptCache(ctx_m2r2.base)
+    cache.keep_states = True
+    cache.forward(ids[:-2])
+    first = ctx_m2r2.draft_state(mx.array(ids[-2]), 0, cache.layers, h_prev=cache.states[-1])
+    for layer in cache.layers[:2]:  # the first draft's provisional K/V, replaced by the slow stream's
+        layer.trim(1)
+    cache.forward(ids[-2:-1])
+    second = ctx_m2r2.draft_state(mx.array(ids[-1]), 0, cache.layers, h_prev=first)
+    states, _, kv = ctx_m2r2.slow_pass(mx.array([ids]))
+    h = first_gate_by_context(ctx_m2r2, states, kv)
+    np.testing.assert_allclose(np.array(h["final"][0, -2]), np.array(first), atol=1e-4)
+    np.testing.assert_allclose(np.array(h["stand-in"][0, -1]), np.array(second), atol=1e-4)
+    assert not np.allclose(np.array(h["final"][0, -1]), np.array(second), atol=1e-3)  # the stand-in changes it
+
+
+def test_context_feature_ablation_counts(lm, ctx_m2r2):
+    from m2r2_mlx.evaluate import context_feature_ablation, exit_matches, row_batches
+
+    rows = np.array(_ids(T=12, B=4, vocab=lm.config["vocab_size"]))
+    r = context_feature_ablation(ctx_m2r2, row_batches(rows, batch_size=2))
+    assert r["tokens"] == 4 * 11  # every position but each row's first
+    _, fast = exit_matches(ctx_m2r2, mx.array(rows), slice(1, None))
+    assert r["final"][0] == pytest.approx(np.array(fast[0]).mean())  # the plain agreement figure, first gate
+    right = np.array(fast[0])[:, :-1]  # previous position's exit right, for positions 2..
+    assert r["after a right exit"] == right.sum()
+    assert all(0 <= x <= 1 for k in ("final", "stand-in", "none") for x in r[k])

@@ -45,3 +45,25 @@ def test_policy_speedups_and_ceilings_follow_the_cost_model():
     assert abs(every - 11 / (2 + 2 * 1.25 + 8)) < 1e-9  # every step pays its draft; 8 verify one token only
     assert abs(oracle - 11 / (2 * 1.45 + 8)) < 1e-9 and oracle > every
     assert ceilings(costs) == [(1, pytest.approx(2 / 1.45)), (2, pytest.approx(3 / 1.8))]
+
+
+def test_acceptance_needed_inverts_the_cost_model():
+    from bench.draft_calibration import acceptance_needed
+
+    costs = {"draft step": 0.2, "verify 2 tokens": 1.1, "verify 4 tokens": 1.3}
+    (k1, t1, x1), (k3, t3, x3) = acceptance_needed(costs)
+    assert (k1, k3) == (1, 3)
+    assert t1 != t1 and x1 != x1  # one draft yields at most 2 tokens, and 2 / 1.3 < 2.0x
+    assert 1 + t3 + t3 ** 2 + t3 ** 3 == pytest.approx(3.0, abs=1e-6)
+    assert (1 + x3 + x3 ** 2 + x3 ** 3) / (3 * 0.2 + 1.3) == pytest.approx(2.0, abs=1e-6)
+
+
+def test_signal_table_splits_steps_by_what_is_known_before_drafting():
+    from bench.draft_calibration import signal_table
+
+    signals = [(0.1, None, False), (0.1, False, True), (0.99, True, True), (0.99, True, False), (0.5, False, False)]
+    lines = signal_table(signals)
+    assert "| full model's probability of the last token 0.00-0.20 | 2 | 50% |" in lines
+    assert "| full model's probability of the last token 0.95-1.00 | 2 | 50% |" in lines
+    assert "| previous step's draft accepted | 2 | 50% |" in lines
+    assert "| previous step's draft rejected | 2 | 50% |" in lines  # the first step has no previous one
