@@ -29,7 +29,8 @@ from m2r2_mlx.adapters import load_adapters
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoders import load_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
-from m2r2_mlx.evaluate import answer_agreement, answer_batches, context_feature_ablation, gate_agreement, row_batches
+from m2r2_mlx.evaluate import (answer_agreement, answer_batches, context_feature_ablation, gate_agreement,
+                               naive_agreement_by_layer, row_batches)
 from m2r2_mlx.registry import load_model
 
 from .specbench import SPECBENCH, select_questions
@@ -122,6 +123,35 @@ def context_table(m2r2, sets: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def every_layer(m2r2, sets: dict, results: dict, out: Path) -> str:
+    """The naive exit after every layer of the base beside the fast stream at the gates: a table and a plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {name: naive_agreement_by_layer(m2r2.parts, batches) for name, batches in sets.items()}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, curve), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        ax.plot(range(1, len(curve) + 1), np.array(curve) * 100, color=color, label=f"naive exit, {name}")
+        r = results.get(name)
+        if r:
+            ax.plot(r["gates"], np.array(r["m2r2"]) * 100, "o", color=color, label=f"M2R2 fast stream, {name}")
+    ax.set(xlabel="layer", ylabel="top-1 agreement with the full model (%)", ylim=(0, 100))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_save_figure(fig, out)
+    plt.close(fig)
+    names = list(curves)
+    lines = ["", "### Naive exit after every layer", "",
+             "How late the base settles on its token: the slow state after each layer through the final norm and LM head.",
+             "", "| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| L{i + 1} | " + " | ".join(f"{100 * curves[n][i]:.1f}%" for n in names) + " |"
+              for i in range(m2r2.parts.num_layers)]
+    return "\n".join(lines) + f"\n\n![naive exit after every layer]({out.name})\n"
+
+
 def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gate_agreement", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -133,6 +163,7 @@ def _main() -> int:
     ap.add_argument("--rows", type=Path, nargs="+", default=[], metavar="DATA.npy",
                     help="training runs' token rows; the first --eval-rows of each are held out")
     ap.add_argument("--eval-rows", type=int, default=16, help="held-out rows at the start of --rows (the trainer's --eval-rows)")
+    ap.add_argument("--every-layer", action="store_true", help="also the naive exit after every layer (a table and a plot)")
     ap.add_argument("--out", type=Path, default=Path("docs"))
     args = ap.parse_args()
 
@@ -154,12 +185,15 @@ def _main() -> int:
         results["held-out text and chat (training split)"] = m2r2.config.extra["heldout_agreement"]
     results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = side_by_side(
         lambda m: answer_agreement(m, sequences), m2r2, baseline)
-    context = context_table(m2r2, {
-        **{f"held-out rows of {p}": row_batches(np.load(p)[:args.eval_rows]) for p in args.rows},
-        "Spec-Bench answers": answer_batches(sequences)})
+    sets = lambda: {**{f"held-out rows of {p}": row_batches(np.load(p)[:args.eval_rows]) for p in args.rows},
+                    "Spec-Bench answers": answer_batches(sequences)}
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "gate_agreement.png")
-    md = table(results) + context
+    md = table(results) + context_table(m2r2, sets())
+    if args.every_layer:
+        spec = next(k for k in results if k.startswith("Spec-Bench"))
+        named = {f"held-out rows of {p}": results.get(f"held-out rows of {p} ({args.eval_rows} rows)") for p in args.rows}
+        md += every_layer(m2r2, sets(), {**named, "Spec-Bench answers": results[spec]}, args.out / "naive_by_layer.png")
     atomic_write_text(args.out / "gate_agreement.md",
         "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
         f"(`python -m bench.gate_agreement {' '.join(sys.argv[1:])}`).\n\n"

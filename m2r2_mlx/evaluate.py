@@ -72,6 +72,22 @@ def answer_agreement(m2r2, sequences: list[tuple[list[int], int]]) -> dict:
     return agreement(m2r2, answer_batches(sequences))
 
 
+def naive_agreement_by_layer(parts, batches) -> list[float]:
+    """The naive exit's agreement (final norm + LM head on the slow state) after every layer of the base, not just
+    at the gates: how late the model settles on its token. ``parts``: BaseParts; ``batches`` as for ``agreement``."""
+    hits, total = np.zeros(parts.num_layers), 0
+    for ids, positions, *_ in batches:
+        h = parts.embed(ids)
+        mask, exits = parts.mask(h, None), []
+        for i in range(parts.num_layers):
+            h = parts.run_layers(h, i, i + 1, mask)
+            exits.append(parts.head(h[:, positions]).argmax(-1))
+        for i, e in enumerate(exits):
+            hits[i] += int((e == exits[-1]).sum())
+        total += exits[-1].size
+    return (hits / max(total, 1)).tolist()
+
+
 def perfect_rule_saving(labels: np.ndarray, saved_at: np.ndarray, slack: float = 0.0) -> float:
     """Exit-depth saved by a perfect exit rule, the bound on any rule, from ``labels`` (tokens, gates): whether
     each gate's exit is the full model's token; ``saved_at`` (gates,): the share of layers an exit there saves.

@@ -48,3 +48,30 @@ def test_held_out_rows_of_several_files_each_keep_their_answer_positions(tmp_pat
     assert answers["tokens"] == mask[:2].sum() and "baseline" in answers
     direct = gate_agreement(m, np.load(paths[1])[:2], mask=mask[:2])["scored"]
     assert answers["m2r2"] == direct["m2r2"] and answers["naive"] == direct["naive"]
+
+
+def test_naive_exit_after_every_layer_matches_the_gates_naive_exits(tmp_path):
+    from m2r2_mlx.evaluate import agreement, naive_agreement_by_layer, row_batches
+
+    base = tiny_model("llama", seed=31, vocab_size=64, num_hidden_layers=6)
+    m = new_m2r2(base, gates=[2, 4])
+    rows = np.random.default_rng(1).integers(0, 64, size=(5, 16))
+    curve = naive_agreement_by_layer(m.parts, row_batches(rows, batch_size=2))
+    assert len(curve) == 6 and curve[-1] == 1.0  # the last layer's exit is the full model's token
+    at_gates = agreement(m, row_batches(rows, batch_size=2))["naive"]
+    assert [curve[1], curve[3]] == at_gates  # after layers 2 and 4: the gates' naive exits
+    assert len(set(curve[:-1])) > 1  # the exits differ from layer to layer
+
+
+def test_every_layer_writes_a_table_row_per_layer_and_a_plot(tmp_path):
+    from bench.gate_agreement import every_layer
+
+    base = tiny_model("llama", seed=31, vocab_size=64, num_hidden_layers=6)
+    m = new_m2r2(base, gates=[2, 4])
+    rows = np.random.default_rng(2).integers(0, 64, size=(2, 12))
+    from m2r2_mlx.evaluate import row_batches
+
+    results = {"rows": {"gates": [2, 4], "m2r2": [0.3, 0.6]}}
+    md = every_layer(m, {"rows": row_batches(rows)}, results, tmp_path / "naive_by_layer.png")
+    assert "| layer | rows |" in md and "| L6 | 100.0% |" in md and md.count("\n| L") == 6
+    assert (tmp_path / "naive_by_layer.png").stat().st_size > 10_000
