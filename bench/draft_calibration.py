@@ -48,7 +48,7 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
     pairs, signals = [], []
     for q in tqdm(questions, desc="drafting", unit="question"):
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
-        cache, confs, before, stats = PromptCache(lm.model), [], [], {}
+        cache, confs, before, stats = PromptCache(lm.model), [], [], {"accepted": []}
         forward, original, last = cache.forward, drafter.draft, {}
 
         def keep_logits(tokens):
@@ -56,12 +56,11 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
             return last["logits"]
 
         def draft(c, y, *args, **kwargs):
-            # the row of the last forward that emitted y: the verifier's after the accepted drafts, the prefill's last
-            logits, drafts = last["logits"], last.get("drafts", [])
-            row = 1 if drafts and int(mx.argmax(logits[0]).item()) == drafts[0] else (0 if drafts else -1)
-            before.append(mx.softmax(logits[row].astype(mx.float32)).max().item())
+            # y came from the last forward's row after the drafts it accepted (the step's length - 1), or from the
+            # prefill's last row before the first step
+            row = stats["accepted"][-1] - 1 if stats["accepted"] else -1
+            before.append(mx.softmax(last["logits"][row].astype(mx.float32)).max().item())
             out = original(c, y, *args, **kwargs)
-            last["drafts"] = out[0]
             confs.append(drafter.confidences[0] if out[0] else None)
             return out
 
@@ -100,10 +99,10 @@ def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:
     return {"plain step ms": one * 1e3, **{name: statistics.median(ts) / one for name, ts in times.items()}}
 
 
-def buckets(pairs) -> list[tuple[float, float, int, float]]:
-    """(low, high, steps, acceptance rate) per non-empty draft-probability bucket of EDGES."""
+def buckets(pairs, edges=EDGES) -> list[tuple[float, float, int, float]]:
+    """(low, high, steps, acceptance rate) per non-empty bucket of ``edges``, from (value, accepted?) pairs."""
     out = []
-    for lo, hi in zip(EDGES, EDGES[1:]):
+    for lo, hi in zip(edges, edges[1:]):
         hits = [a for c, a in pairs if lo <= c < hi]
         if hits:
             out.append((lo, min(hi, 1.0), len(hits), sum(hits) / len(hits)))
@@ -144,9 +143,12 @@ def policy_speedups(pairs, costs, thresholds=(0.0, 0.2, 0.3, 0.4, 0.5)) -> list[
 def ceilings(costs) -> list[tuple[int, float]]:
     """(drafts per step, speedup) if every draft were accepted: k drafts cost k draft steps and a (k+1)-token
     verification; only the verification sizes measured."""
-    d = costs["draft step"]
-    verified = sorted((int(name.split()[1]), cost) for name, cost in costs.items() if name.startswith("verify "))
-    return [(k - 1, k / ((k - 1) * d + cost)) for k, cost in verified]
+    return [(k - 1, k / ((k - 1) * costs["draft step"] + cost)) for k, cost in verify_costs(costs)]
+
+
+def verify_costs(costs) -> list[tuple[int, float]]:
+    """(tokens verified in one forward, its cost in plain steps), for the sizes measured, smallest first."""
+    return sorted((int(name.split()[1]), cost) for name, cost in costs.items() if name.startswith("verify "))
 
 
 def signal_table(signals) -> list[str]:
@@ -154,12 +156,8 @@ def signal_table(signals) -> list[str]:
     and whether the previous step's draft was accepted. A signal worth a pre-draft gate would split the steps
     into some far above the break-even acceptance and some far below."""
     lines = ["| known before drafting | steps | accepted |", "|---|---|---|"]
-    edges = [0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0001]
-    for lo, hi in zip(edges, edges[1:]):
-        hits = [a for p, _, a in signals if lo <= p < hi]
-        if hits:
-            lines.append(f"| full model's probability of the last token {lo:.2f}-{min(hi, 1.0):.2f} | {len(hits)} | "
-                         f"{sum(hits) / len(hits):.0%} |")
+    for lo, hi, n, rate in buckets([(p, a) for p, _, a in signals], edges=[0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0001]):
+        lines.append(f"| full model's probability of the last token {lo:.2f}-{hi:.2f} | {n} | {rate:.0%} |")
     for prev, label in ((True, "accepted"), (False, "rejected")):
         hits = [a for _, p, a in signals if p is prev]
         if hits:
@@ -182,7 +180,8 @@ def acceptance_needed(costs, tokens_per_step: float = 3.0, speedup: float = 2.0)
         return hi
 
     out = []
-    for k, cost in sorted((int(n.split()[1]) - 1, c) for n, c in costs.items() if n.startswith("verify ")):
+    for verified, cost in verify_costs(costs):
+        k = verified - 1
         tokens = lambda a, k=k: sum(a ** i for i in range(k + 1))
         step = k * costs["draft step"] + cost
         out.append((k, solve(lambda a: tokens(a) - tokens_per_step), solve(lambda a: tokens(a) / step - speedup)))

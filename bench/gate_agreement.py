@@ -108,12 +108,12 @@ def context_table(m2r2, sets: dict) -> str:
     g = m2r2.config.gates[0]
     lines = ["", f"### L{g}: what the context feature reads", "",
              "At decode time the first draft after a verification reads the previous position's final state, as "
-             "training does; a second or third draft, and a token after an early exit, read the previous "
-             f"position's L{g} exit state instead (a stand-in: no final state exists there yet). "
+             f"training does; a second or third draft reads the draft before's L{g} exit state instead (a stand-in: "
+             "no final state exists there yet), as does a token after an early exit at that gate. "
              f"\"After a right exit\": only positions whose previous L{g} exit was right, as before a second draft. "
              "The position before keeps the slow stream's keys and values (a second draft also attends to the first "
-             "draft's provisional ones), to isolate what the feature reads. Every position of the held-out rows, "
-             "answer positions of Spec-Bench.", "",
+             "draft's provisional ones), to isolate what the feature reads. Every position of the held-out rows but "
+             "each row's first (which has no previous one), answer positions of Spec-Bench.", "",
              "| tokens | final state | stand-in | nothing | after a right exit: final state | stand-in | nothing |",
              "|---|---|---|---|---|---|---|"]
     for name, batches in sets.items():
@@ -183,17 +183,17 @@ def _main() -> int:
     results = held_out_results(m2r2, baseline, args.rows, args.eval_rows)
     if not args.rows and m2r2.config.extra.get("heldout_agreement") and baseline is None:
         results["held-out text and chat (training split)"] = m2r2.config.extra["heldout_agreement"]
-    results[f"Spec-Bench answers ({len(qs)} questions, 13 categories)"] = side_by_side(
-        lambda m: answer_agreement(m, sequences), m2r2, baseline)
-    sets = lambda: {**{f"held-out rows of {p}": row_batches(np.load(p)[:args.eval_rows]) for p in args.rows},
-                    "Spec-Bench answers": answer_batches(sequences)}
+    spec = f"Spec-Bench answers ({len(qs)} questions, 13 categories)"
+    results[spec] = side_by_side(lambda m: answer_agreement(m, sequences), m2r2, baseline)
+    held = {path: np.load(path)[:args.eval_rows] for path in args.rows}
+    # the token sets again, named as in ``results`` (held_out_results' names), for the extra tables
+    sets = lambda: {**{f"held-out rows of {p} ({len(r)} rows)": row_batches(r) for p, r in held.items()},
+                    spec: answer_batches(sequences)}
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "gate_agreement.png")
     md = table(results) + context_table(m2r2, sets())
     if args.every_layer:
-        spec = next(k for k in results if k.startswith("Spec-Bench"))
-        named = {f"held-out rows of {p}": results.get(f"held-out rows of {p} ({args.eval_rows} rows)") for p in args.rows}
-        md += every_layer(m2r2, sets(), {**named, "Spec-Bench answers": results[spec]}, args.out / "naive_by_layer.png")
+        md += every_layer(m2r2, sets(), results, args.out / "naive_by_layer.png")
     atomic_write_text(args.out / "gate_agreement.md",
         "# Gate exits vs the full model\n\nTop-1 agreement of the exit token with the full model's token "
         f"(`python -m bench.gate_agreement {' '.join(sys.argv[1:])}`).\n\n"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .fast_stream import shift_right
+
 
 def exit_matches(m2r2, ids: mx.array, positions: slice, head=None) -> tuple[mx.array, mx.array]:
     """Per gate, whether the exit token equals the full model's token at ``positions`` of ``ids`` (B, T):
@@ -115,30 +117,28 @@ def first_gate_by_context(m2r2, states: dict, kv) -> dict[str, mx.array]:
     state ("stand-in", itself computed from the final state before it) or nothing ("none")."""
     first_gate = lambda prev: m2r2.fast_states({**states, "prev": prev}, kv, [0])[0]
     h = first_gate(states["prev"])
-    stand_in = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+    stand_in = shift_right(h)
     return {"final": h, "stand-in": first_gate(stand_in), "none": first_gate(mx.zeros_like(stand_in))}
 
 
 def context_feature_ablation(m2r2, batches) -> dict:
-    """First-gate agreement of adapters with a context feature, by what the feature reads at each position:
-    the previous position's final state ("final": training's input, and a first draft's at decode time), the
-    first gate's own exit state there ("stand-in": what a second or third draft, or a token after an early
-    exit, reads at decode time, where no final state exists yet) or nothing ("none": the feature zeroed).
-    "after a right exit" keeps only positions whose previous first-gate exit was right, as before a second draft.
-    ``batches`` as for ``agreement``."""
+    """First-gate agreement of adapters with a context feature, by what the feature reads (first_gate_by_context):
+    "final" is training's input and a first draft's at decode time; "stand-in" what a second or third draft reads
+    (the draft before's exit state: no final state exists there yet); "none" the feature zeroed. "after a right
+    exit" keeps only positions whose previous first-gate exit was right, as before a second draft. A row's first
+    position has no previous one and is not scored. ``batches`` as for ``agreement`` (masks ignored)."""
     parts = m2r2.parts
     hits = {k: np.zeros(2) for k in ("final", "stand-in", "none")}  # [all positions, after a right exit]
     total = after_right = 0
     for ids, positions, *_ in batches:
         states, final, kv = m2r2.slow_pass(ids)
         target = parts.head(final).argmax(-1)
-        right = {name: np.array(parts.head(h).argmax(-1) == target)
-                 for name, h in first_gate_by_context(m2r2, states, kv).items()}
-        prev_right = np.zeros_like(right["final"])
-        prev_right[:, 1:] = right["final"][:, :-1]
-        scored = np.zeros_like(prev_right)
+        right = {name: parts.head(h).argmax(-1) == target for name, h in first_gate_by_context(m2r2, states, kv).items()}
+        prev_right = np.array(shift_right(right["final"]))
+        right = {name: np.array(r) for name, r in right.items()}
+        scored = np.zeros(prev_right.shape, dtype=bool)
         scored[:, positions] = True
-        scored[:, 0] = False  # a row's first position has no previous one
+        scored[:, 0] = False
         for name, r in right.items():
             hits[name] += [(r & scored).sum(), (r & scored & prev_right).sum()]
         total += int(scored.sum())

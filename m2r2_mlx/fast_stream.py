@@ -130,6 +130,11 @@ class ParallelKV:
         return mx.concatenate([self.k, keys], axis=2), mx.concatenate([self.v, values], axis=2)
 
 
+def shift_right(x: mx.array) -> mx.array:
+    """Each position's previous entry along the sequence axis (B, T, ...), zeros (False) at a row's start."""
+    return mx.concatenate([mx.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+
+
 def parallel_mask(T: int) -> mx.array:
     i = mx.arange(T)[:, None]
     j = mx.arange(T)[None, :]
@@ -249,7 +254,7 @@ class M2R2Model(nn.Module):
         kv = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
         if getattr(self, "context", None) is not None:  # only a context feature reads it: no copy for the others
             # each position's previous final residual (zeros at a row's start)
-            states["prev"] = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+            states["prev"] = shift_right(h)
         return states, h, kv
 
     def fast_states(self, states: dict, kv, gate_indices=None) -> list[mx.array]:

@@ -126,14 +126,18 @@ def test_the_stand_in_is_what_a_second_draft_reads(lm, ctx_m2r2):
     assert not np.allclose(np.array(h["final"][0, -1]), np.array(second), atol=1e-3)  # the stand-in changes it
 
 
-def test_context_feature_ablation_counts(lm, ctx_m2r2):
+def test_context_feature_ablation_counts():
     from m2r2_mlx.evaluate import context_feature_ablation, exit_matches, row_batches
 
-    rows = np.array(_ids(T=12, B=4, vocab=lm.config["vocab_size"]))
-    r = context_feature_ablation(ctx_m2r2, row_batches(rows, batch_size=2))
+    # a gate near the top of a shallow model, so that enough exits are right to count after them
+    m = add_context_feature(new_m2r2(tiny_model("llama", seed=7, num_hidden_layers=3), gates=[2]))
+    mx.random.seed(8)
+    m.context.proj.weight = mx.random.normal(m.context.proj.weight.shape) * 0.3
+    rows = np.array(_ids(T=12, B=4))
+    r = context_feature_ablation(m, row_batches(rows, batch_size=2))
     assert r["tokens"] == 4 * 11  # every position but each row's first
-    _, fast = exit_matches(ctx_m2r2, mx.array(rows), slice(1, None))
-    assert r["final"][0] == pytest.approx(np.array(fast[0]).mean())  # the plain agreement figure, first gate
-    right = np.array(fast[0])[:, :-1]  # previous position's exit right, for positions 2..
-    assert r["after a right exit"] == right.sum()
-    assert all(0 <= x <= 1 for k in ("final", "stand-in", "none") for x in r[k])
+    right = np.array(exit_matches(m, mx.array(rows), slice(None))[1][0])
+    assert r["final"][0] == pytest.approx(right[:, 1:].mean())  # the plain agreement figure, first gate
+    assert r["after a right exit"] == right[:, :-1].sum() > 0  # positions 1.. whose previous exit (0..) was right
+    assert r["final"][1] == pytest.approx((right[:, 1:] & right[:, :-1]).sum() / right[:, :-1].sum())
+    assert r["stand-in"][0] != r["final"][0] and r["none"][0] != r["final"][0]  # this feature matters
