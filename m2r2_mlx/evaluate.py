@@ -106,8 +106,7 @@ def perfect_rule_saving(labels: np.ndarray, saved_at: np.ndarray, slack: float =
 
 def oracle_exit_saving(m2r2, sequences: list[tuple[list[int], int]], slack: float = 0.0, head=None) -> float:
     """``perfect_rule_saving`` on answers (tokens, prompt_length), exits picked over ``head``'s vocabulary."""
-    labels = [np.array(exit_matches(m2r2, mx.array(toks)[None], slice(plen - 1, -1), head)[1][:, 0]).T
-              for toks, plen in sequences]
+    labels = [np.array(exit_matches(m2r2, ids, positions, head)[1][:, 0]).T for ids, positions in answer_batches(sequences)]
     return perfect_rule_saving(np.concatenate(labels), 1 - np.array(m2r2.config.gates) / m2r2.parts.num_layers, slack)
 
 
