@@ -22,11 +22,17 @@ import time
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
+from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
+from m2r2_mlx.core.adapters import load_adapters
+from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.moe import ExpertStore, Link, offload_experts
+from m2r2_mlx.moe.serve import attach_predictor, store_folder
+
 import mlx.core as mx
 import numpy as np
-
-from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
-from m2r2_mlx.errors import M2R2Error, run_cli
+from mlx_lm.models.cache import make_prompt_cache
+from tqdm.auto import tqdm
 
 METHODS = ("resident", "lru", "pregating", "m2r2", "shuffled")
 LABELS = {"resident": "all resident", "lru": "on-demand LRU", "pregating": "pre-gating (next layer)",
@@ -37,29 +43,42 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m2r2-bench --moe", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="build/tiny-olmoe", help="an mlx-lm MoE model (alias, repo id or folder)")
     p.add_argument("--adapters", default="build/tiny-olmoe-m2r2", help="M2R2 adapters trained on that model")
-    p.add_argument("--experts", type=Path, default=None,
-                   help="expert store folder (default: m2r2's cache, keyed by the model's weights; exported on first use)")
+    p.add_argument(
+        "--experts",
+        type=Path,
+        default=None,
+        help="expert store folder (default: m2r2's cache, keyed by the model's weights; exported on first use)",
+    )
     p.add_argument("--budgets", default="100,50,25,12.5", help="expert budgets, percent of all experts")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated, of {', '.join(METHODS)} (resident always runs: it is the token reference)")
-    p.add_argument("--prompts", type=Path, default=Path("build/olmoe-data/eval.npy"),
-                   help="held-out token ids (.npy): prompts are windows of it")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, of {', '.join(METHODS)} (resident always runs: it is the token reference)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=Path("build/olmoe-data/eval.npy"),
+        help="held-out token ids (.npy): prompts are windows of it",
+    )
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt")
     p.add_argument("--link-gbps", type=float, default=0.5, help="throttled link bandwidth, GB/s (0: unthrottled)")
     p.add_argument("--latency-ms", type=float, default=0.05, help="throttled link latency per transfer")
     p.add_argument("--policy", default="lru", choices=["lru", "lfu"])
-    p.add_argument("--m2r2-intervals", type=int, default=None,
-                   help="M2R2: run the fast stream ahead in the first N gate intervals only (default: all)")
+    p.add_argument(
+        "--m2r2-intervals",
+        type=int,
+        default=None,
+        help="M2R2: run the fast stream ahead in the first N gate intervals only (default: all)",
+    )
     p.add_argument("--out", type=Path, default=Path("docs"), help="folder for moe_bench.md/.json/.png")
     return p
 
 
 def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None) -> tuple[list[int], float]:
     """Greedy tokens and the decode time (prefill excluded)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt[None].astype(np.int32)), cache=cache)
     tok = int(mx.argmax(logits[0, -1]).item())
@@ -75,11 +94,6 @@ def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None) -> tuple[list[i
 
 def setup(args, method: str, budget: float, store):
     """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor)."""
-    from m2r2_mlx.adapters import load_adapters
-    from m2r2_mlx.moe import Link, offload_experts
-    from m2r2_mlx.moe.serve import attach_predictor
-    from m2r2_mlx.registry import load_model
-
     lm = load_model(args.model, tokenizer=False)  # token ids in, token ids out
     if method == "resident":
         return lm.model, None, None
@@ -91,12 +105,6 @@ def setup(args, method: str, budget: float, store):
 
 
 def run(args) -> dict:
-    from tqdm.auto import tqdm
-
-    from m2r2_mlx.moe import ExpertStore
-    from m2r2_mlx.moe.serve import store_folder
-    from m2r2_mlx.registry import load_model
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -114,7 +122,7 @@ def run(args) -> dict:
     if ids.size < args.num_prompts * span * 4:
         raise M2R2Error(f"{args.prompts} holds {ids.size} tokens, too few for {args.num_prompts} prompts of {span}")
     stride = ids.size // args.num_prompts
-    prompts = [ids[i * stride: i * stride + span] for i in range(args.num_prompts)]
+    prompts = [ids[i * stride : i * stride + span] for i in range(args.num_prompts)]
 
     lm = load_model(args.model, tokenizer=False)
     folder = args.experts or store_folder(lm)
@@ -152,17 +160,25 @@ def run(args) -> dict:
             if hasattr(predictor, "fast_layer_passes"):
                 passes.append(predictor.fast_layer_passes)
             bar.update()
-        row = {"method": method, "budget": budget, "tokens": tokens, "decode_s": sum(seconds),
-               "tokens_per_s": tokens / sum(seconds), "same_as_resident": same}
+        row = {
+            "method": method,
+            "budget": budget,
+            "tokens": tokens,
+            "decode_s": sum(seconds),
+            "tokens_per_s": tokens / sum(seconds),
+            "same_as_resident": same,
+        }
         if cache:
             agg = lambda k, stats=stats: sum(s[k] for s in stats)  # noqa: E731
             steps = agg("tokens")
-            row.update(hit_rate=agg("hits") / max(1, agg("hits") + agg("misses")),
-                       precision=agg("predicted_used") / agg("predicted") if agg("predicted") else None,
-                       recall=agg("predicted_used") / agg("used_when_predicted") if agg("used_when_predicted") else None,
-                       mb_per_token=agg("bytes_moved") / max(1, steps) / 1e6,
-                       stall_ms_per_token=1e3 * agg("stall_s") / max(1, steps),
-                       slots=f"{min(cache.slots_per_layer.values())}/{cache.num_experts(cache.layers[0])}")
+            row.update(
+                hit_rate=agg("hits") / max(1, agg("hits") + agg("misses")),
+                precision=agg("predicted_used") / agg("predicted") if agg("predicted") else None,
+                recall=agg("predicted_used") / agg("used_when_predicted") if agg("used_when_predicted") else None,
+                mb_per_token=agg("bytes_moved") / max(1, steps) / 1e6,
+                stall_ms_per_token=1e3 * agg("stall_s") / max(1, steps),
+                slots=f"{min(cache.slots_per_layer.values())}/{cache.num_experts(cache.layers[0])}",
+            )
             if passes:
                 row["fast_layer_passes_per_token"] = sum(passes) / max(1, steps)
             cache.close()
@@ -171,21 +187,33 @@ def run(args) -> dict:
     for r in rows:
         lru = next((x for x in rows if x["method"] == "lru" and x["budget"] == r["budget"]), None)
         r["vs_lru"] = r["tokens_per_s"] / lru["tokens_per_s"] if lru else None
-    return {"model": str(args.model), "link_gbps": args.link_gbps, "latency_ms": args.latency_ms,
-            "expert_bytes": store.expert_bytes(store.layers[0]), "prompts": len(prompts),
-            "prompt_tokens": span, "max_tokens": args.max_tokens, "rows": rows}
+    return {
+        "model": str(args.model),
+        "link_gbps": args.link_gbps,
+        "latency_ms": args.latency_ms,
+        "expert_bytes": store.expert_bytes(store.layers[0]),
+        "prompts": len(prompts),
+        "prompt_tokens": span,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
 
 
 def table(result: dict) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    lines = ["| budget | method | slots/layer | tokens/s | vs LRU | hit rate | precision | recall | MB/token | "
-             "stall ms/token | tokens = resident |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| budget | method | slots/layer | tokens/s | vs LRU | hit rate | precision | recall | MB/token | "
+        "stall ms/token | tokens = resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         budget = "all" if r["method"] == "resident" else f"{r['budget']:g}%"
-        lines.append(f"| {budget} | {LABELS[r['method']]} | {r.get('slots', '-')} | {r['tokens_per_s']:.1f} | "
-                     f"{f(r['vs_lru'], '.2f')}x | {f(r.get('hit_rate'), '.1%')} | {f(r.get('precision'), '.1%')} | "
-                     f"{f(r.get('recall'), '.1%')} | {f(r.get('mb_per_token'), '.2f')} | "
-                     f"{f(r.get('stall_ms_per_token'), '.2f')} | {'yes' if r['same_as_resident'] else 'NO'} |")
+        lines.append(
+            f"| {budget} | {LABELS[r['method']]} | {r.get('slots', '-')} | {r['tokens_per_s']:.1f} | "
+            f"{f(r['vs_lru'], '.2f')}x | {f(r.get('hit_rate'), '.1%')} | {f(r.get('precision'), '.1%')} | "
+            f"{f(r.get('recall'), '.1%')} | {f(r.get('mb_per_token'), '.2f')} | "
+            f"{f(r.get('stall_ms_per_token'), '.2f')} | {'yes' if r['same_as_resident'] else 'NO'} |"
+        )
     return "\n".join(lines).replace("| -x |", "| - |")
 
 
@@ -227,10 +255,12 @@ def _main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = " ".join(["m2r2-bench --moe", *(argv if argv is not None else sys.argv[1:])])
     atomic_write_text(args.out / "moe_bench.json", json.dumps(result, indent=1))
-    atomic_write_text(args.out / "moe_bench_table.md",
-                      f"`{cmd}`: {result['prompts']} held-out prompts of {result['prompt_tokens']} tokens, "
-                      f"{result['max_tokens']} greedy tokens each, float32; expert {result['expert_bytes'] / 1e3:.0f} KB; "
-                      f"link {result['link_gbps']:g} GB/s + {result['latency_ms']:g} ms per transfer.\n\n{md}\n")
+    atomic_write_text(
+        args.out / "moe_bench_table.md",
+        f"`{cmd}`: {result['prompts']} held-out prompts of {result['prompt_tokens']} tokens, "
+        f"{result['max_tokens']} greedy tokens each, float32; expert {result['expert_bytes'] / 1e3:.0f} KB; "
+        f"link {result['link_gbps']:g} GB/s + {result['latency_ms']:g} ms per transfer.\n\n{md}\n",
+    )
     plot(result, args.out / "moe_bench.png")
     return 0
 

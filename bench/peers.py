@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import time
 
-import mlx.core as mx
+from m2r2_mlx.decoding.generate import EventStream
 
-from m2r2_mlx.generate import EventStream
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
 
 
 def mlx_lm_decoder(lm, draft_model=None, num_draft_tokens: int = 3):
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     def decode(prompt, *, cache=None, context_length=None, max_tokens=256, temperature=0.0, top_p=1.0, seed=None):
         if seed is not None:
             mx.random.seed(seed)

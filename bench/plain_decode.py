@@ -20,10 +20,12 @@ import sys
 import time
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
-from m2r2_mlx.blas import blas_info
+from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.errors import run_cli
-from m2r2_mlx.generate import generate
-from m2r2_mlx.registry import load_model
+from m2r2_mlx.models.blas import blas_info
+from m2r2_mlx.models.registry import load_model
+
+from mlx_lm import stream_generate
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -46,8 +48,6 @@ def run_ours(lm, prompt_ids, max_tokens) -> tuple[float, list[int]]:
 
 
 def run_mlx_lm(lm, prompt_ids, max_tokens) -> tuple[float, list[int]]:
-    from mlx_lm import stream_generate
-
     times, tokens = [], []
     for r in stream_generate(lm.model, lm.tokenizer, prompt_ids, max_tokens=max_tokens):
         times.append(time.perf_counter())
@@ -57,7 +57,9 @@ def run_mlx_lm(lm, prompt_ids, max_tokens) -> tuple[float, list[int]]:
 
 def measure(model: str | None, max_tokens: int, repeats: int) -> dict:
     lm = load_model(model)
-    prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    prompts = [
+        lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
+    ]
     run_ours(lm, prompts[0], 16)  # warm-up both paths
     run_mlx_lm(lm, prompts[0], 16)
     ours, theirs, same = [], [], 0
@@ -101,11 +103,22 @@ def main() -> int:
     print(f"| mlx_lm.stream_generate | {res['mlx_lm_tps']:.1f} | 1.000 |")
     print(f"greedy outputs identical: {res['identical_outputs']}")
     if args.blas_compare and sys.platform.startswith("linux"):
-        cmd = [sys.executable, "-m", "bench.plain_decode", "--json", "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.plain_decode",
+            "--json",
+            "--max-tokens",
+            str(args.max_tokens),
+            "--repeats",
+            str(args.repeats),
+        ]
         if args.model:
             cmd += ["--model", args.model]
         env = dict(os.environ, M2R2_BLAS="reference")
-        ref = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        ref = json.loads(
+            subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        )
         print("\n| BLAS | m2r2 plain tokens/s | speedup |\n|---|---|---|")
         print(f"| reference (wheel) | {ref['ours_tps']:.1f} | 1.00x |")
         print(f"| {blas_info().name} | {res['ours_tps']:.1f} | {res['ours_tps'] / ref['ours_tps']:.2f}x |")

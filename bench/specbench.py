@@ -26,11 +26,19 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
-
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
-from m2r2_mlx.blas import blas_info
-from m2r2_mlx.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD
+from m2r2_mlx.decoding.chat import ChatSession
+from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, make_decoder
+from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.models.blas import blas_info
+from m2r2_mlx.models.registry import load_model
+
+import mlx.core as mx
+import numpy as np
+from tqdm.auto import tqdm
+
+from .peers import mlx_lm_decoder
 
 SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -47,19 +55,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
     p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones)")
     p.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
-    p.add_argument("--categories", default="all",
-                   help=f"comma-separated categories, 'mt_bench' (its 8) or 'all' (default); known: {', '.join(CATEGORIES)}")
+    p.add_argument(
+        "--categories",
+        default="all",
+        help=f"comma-separated categories, 'mt_bench' (its 8) or 'all' (default); known: {', '.join(CATEGORIES)}",
+    )
     p.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
     p.add_argument("--turns", type=int, default=2, help="most turns per question (default 2: all of Spec-Bench's)")
-    p.add_argument("--methods", default="plain,mlx-lm,m2r2,layerskip,lookup",
-                   help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)")
+    p.add_argument(
+        "--methods",
+        default="plain,mlx-lm,m2r2,layerskip,lookup",
+        help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
     p.add_argument("--gate", type=int, default=None, help="draft exit layer for m2r2/layerskip (default: first gate)")
-    p.add_argument("--draft", type=int, default=DEFAULT_DRAFT, help=f"most drafted tokens per step (default {DEFAULT_DRAFT})")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help=f"M2R2 draft head over the N most frequent tokens (default {DEFAULT_DRAFT_VOCAB} where available; 0 = full)")
+    p.add_argument(
+        "--draft", type=int, default=DEFAULT_DRAFT, help=f"most drafted tokens per step (default {DEFAULT_DRAFT})"
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help=f"stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help=f"M2R2 draft head over the N most frequent tokens (default {DEFAULT_DRAFT_VOCAB} where available; 0 = "
+             "full)",
+    )
     p.add_argument("--draft-model", default=None, help="a small model for mlx-lm's two-model speculative decoding")
     p.add_argument("--out", type=Path, default=Path("docs/specbench"), help="folder for JSONL, table and plot")
     return p
@@ -68,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 def select_questions(path: Path, categories: str, limit: int | None) -> list[dict]:
     if not path.is_file():
         raise M2R2Error(f"Spec-Bench questions not found at {path}; pass --questions path/to/question.jsonl")
-    wanted = {"all": CATEGORIES, "mt_bench": MT_BENCH}.get(categories) or tuple(c.strip() for c in categories.split(","))
+    wanted = {"all": CATEGORIES, "mt_bench": MT_BENCH}.get(categories) or tuple(
+        c.strip() for c in categories.split(",")
+    )
     unknown = [c for c in wanted if c not in CATEGORIES]
     if unknown:
         raise M2R2Error(f"unknown categories {unknown}; choose from {', '.join(CATEGORIES)}, mt_bench or all")
@@ -97,33 +124,28 @@ def method_names(args) -> list[str]:
 
 
 def make_methods(args, lm, names: list[str]) -> dict:
-    from m2r2_mlx.decoders import make_decoder
-
-    from .peers import mlx_lm_decoder
-
     methods = {}
     for name in names:
         if name == "mlx-lm":
             methods[name] = mlx_lm_decoder(lm)
         elif name == "mlx-lm-spec":
-            from m2r2_mlx.registry import load_model
-
             methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft)
         else:
             mode = {"m2r2": "speculative"}.get(name, name)  # layerskip: the same drafting knobs, no adapters
-            methods[name] = make_decoder(lm, mode, args.adapters, gate=args.gate, max_draft=args.draft,
-                                         threshold=args.threshold if name in ("m2r2", "layerskip") else 0.0,
-                                         draft_vocab=args.draft_vocab if name in ("m2r2", "layerskip") else 0)
+            methods[name] = make_decoder(
+                lm,
+                mode,
+                args.adapters,
+                gate=args.gate,
+                max_draft=args.draft,
+                threshold=args.threshold if name in ("m2r2", "layerskip") else 0.0,
+                draft_vocab=args.draft_vocab if name in ("m2r2", "layerskip") else 0,
+            )
     return methods
 
 
 def run_turns(lm, decode, turns: list[str], max_tokens: int) -> list[dict]:
     """One question as a chat; per turn: tokens, text, decode rate, acceptance lengths, peak memory."""
-    import mlx.core as mx
-
-    from m2r2_mlx.chat import ChatSession
-    from m2r2_mlx.stats import AnswerStats
-
     session = ChatSession(lm, decoder=decode)
     out = []
     for text in turns:
@@ -135,10 +157,18 @@ def run_turns(lm, decode, turns: list[str], max_tokens: int) -> list[dict]:
             tokens.append(ev.token)
             stats.add(ev)
         decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
-        out.append({"tokens": tokens, "text": session.last_answer, "new_tokens": len(tokens),
-                    "wall_time": time.perf_counter() - t0, "decode_time": decode_s,
-                    "accept_lengths": stats.accept_lengths, "exit_layers": stats.exit_layers,
-                    "peak_memory_gb": mx.get_peak_memory() / 1e9})
+        out.append(
+            {
+                "tokens": tokens,
+                "text": session.last_answer,
+                "new_tokens": len(tokens),
+                "wall_time": time.perf_counter() - t0,
+                "decode_time": decode_s,
+                "accept_lengths": stats.accept_lengths,
+                "exit_layers": stats.exit_layers,
+                "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            }
+        )
     return out
 
 
@@ -153,7 +183,8 @@ def in_group(group: str, category: str) -> bool:
 
 
 def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
-    """Per (category or group, method): decode tokens/s (summed tokens over summed time), speedup, acceptance, memory."""
+    """Per (category or group, method): decode tokens/s (summed tokens over summed time), speedup, acceptance,
+    memory."""
     summary = {}
     for cat in groups(categories):
         for m in methods:
@@ -166,9 +197,14 @@ def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
             acc = [a for t in turns for a in t["accept_lengths"]]
             same = sum(r["same_as_plain"] for r in answers)
             n = len(answers)
-            summary[cat, m] = {"tok_s": toks / secs if secs else 0.0, "accepted": statistics.mean(acc) if acc else 1.0,
-                               "hist": Counter(acc), "peak_gb": max(t["peak_memory_gb"] for t in turns),
-                               "same": f"{same}/{n}", "tokens": toks}
+            summary[cat, m] = {
+                "tok_s": toks / secs if secs else 0.0,
+                "accepted": statistics.mean(acc) if acc else 1.0,
+                "hist": Counter(acc),
+                "peak_gb": max(t["peak_memory_gb"] for t in turns),
+                "same": f"{same}/{n}",
+                "tokens": toks,
+            }
         plain = summary.get((cat, "plain"), {}).get("tok_s", 0.0)
         for m in methods:
             if (cat, m) in summary:
@@ -182,14 +218,18 @@ def histogram_text(hist: Counter) -> str:
 
 
 def table(summary: dict, methods: list[str], categories: list[str]) -> str:
-    lines = ["| category | method | tokens/s | speedup | tokens/step | acceptance lengths | peak GB | same as plain |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| category | method | tokens/s | speedup | tokens/step | acceptance lengths | peak GB | same as plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for cat in groups(categories):
         for m in methods:
             s = summary.get((cat, m))
             if s:
-                lines.append(f"| {cat} | {LABELS[m]} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['accepted']:.2f} | "
-                             f"{histogram_text(s['hist'])} | {s['peak_gb']:.2f} | {s['same']} |")
+                lines.append(
+                    f"| {cat} | {LABELS[m]} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['accepted']:.2f} | "
+                    f"{histogram_text(s['hist'])} | {s['peak_gb']:.2f} | {s['same']} |"
+                )
     return "\n".join(lines)
 
 
@@ -198,7 +238,6 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     cats = groups(categories)
     colors = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in both panels
@@ -206,8 +245,13 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
     w = 0.8 / len(methods)
     x = np.arange(len(cats))
     for i, m in enumerate(methods):
-        ax.bar(x + (i - (len(methods) - 1) / 2) * w, [summary.get((c, m), {}).get("speedup", 0) for c in cats], w,
-               label=LABELS[m], color=colors[m])
+        ax.bar(
+            x + (i - (len(methods) - 1) / 2) * w,
+            [summary.get((c, m), {}).get("speedup", 0) for c in cats],
+            w,
+            label=LABELS[m],
+            color=colors[m],
+        )
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(x, cats, rotation=30, ha="right")
     ax.set_ylabel("decode speedup over plain (same run)")
@@ -230,10 +274,6 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
 
 
 def _main() -> int:
-    from tqdm.auto import tqdm
-
-    from m2r2_mlx.registry import load_model
-
     args = build_parser().parse_args()
     if args.max_tokens < 2 or args.turns < 1 or args.draft < 1:
         raise M2R2Error("--max-tokens must be at least 2, --turns and --draft at least 1")
@@ -244,7 +284,9 @@ def _main() -> int:
     lm = load_model(args.model)
     methods = make_methods(args, lm, names)
     names = list(methods)
-    print(f"{lm.name}: {len(questions)} questions, methods {', '.join(names)}; {blas_info().describe()}", file=sys.stderr)
+    print(
+        f"{lm.name}: {len(questions)} questions, methods {', '.join(names)}; {blas_info().describe()}", file=sys.stderr
+    )
 
     for decode in methods.values():  # warm-up: compile paths and fill allocator pools for every method
         run_turns(lm, decode, ["Say hello."], 8)
@@ -257,8 +299,14 @@ def _main() -> int:
             turns = run_turns(lm, decode, q["turns"][: args.turns], args.max_tokens)
             tokens = [t["tokens"] for t in turns]
             ref = tokens if name == "plain" else ref
-            records[name].append({"question_id": q["question_id"], "category": q["category"], "turns": turns,
-                                  "same_as_plain": tokens == ref})
+            records[name].append(
+                {
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "turns": turns,
+                    "same_as_plain": tokens == ref,
+                }
+            )
             bar.update()
     bar.close()
 
@@ -266,20 +314,37 @@ def _main() -> int:
     summary = summarise(records, names, categories)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:  # Spec-Bench's answer format, one file per method
-        lines = [json.dumps({"question_id": r["question_id"], "category": r["category"], "answer_id": uuid.uuid4().hex,
-                             "model_id": f"{lm.name}-{name}", "tstamp": time.time(),
-                             "choices": [{"index": 0, "turns": [t["text"] for t in r["turns"]],
-                                          "new_tokens": [t["new_tokens"] for t in r["turns"]],
-                                          "wall_time": [round(t["wall_time"], 4) for t in r["turns"]],
-                                          "decode_time": [round(t["decode_time"], 4) for t in r["turns"]],
-                                          "accept_lengths": [t["accept_lengths"] for t in r["turns"]]}]})
-                 for r in records[name]]
+        lines = [
+            json.dumps(
+                {
+                    "question_id": r["question_id"],
+                    "category": r["category"],
+                    "answer_id": uuid.uuid4().hex,
+                    "model_id": f"{lm.name}-{name}",
+                    "tstamp": time.time(),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "turns": [t["text"] for t in r["turns"]],
+                            "new_tokens": [t["new_tokens"] for t in r["turns"]],
+                            "wall_time": [round(t["wall_time"], 4) for t in r["turns"]],
+                            "decode_time": [round(t["decode_time"], 4) for t in r["turns"]],
+                            "accept_lengths": [t["accept_lengths"] for t in r["turns"]],
+                        }
+                    ],
+                }
+            )
+            for r in records[name]
+        ]
         atomic_write_text(args.out / f"{name}.jsonl", "\n".join(lines) + "\n")
     md = table(summary, names, categories)
     cmd = " ".join(["m2r2-bench", *sys.argv[1:]])
-    atomic_write_text(args.out / "results.md", f"# Spec-Bench on {lm.name}\n\n`{cmd}`; {len(questions)} questions, "
-                      f"greedy, batch 1, float32, {blas_info().name} BLAS; decode tokens/s (prefill excluded), "
-                      f"speedup over plain decoding in the same run.\n\n{md}\n\n![speedup per category](results.png)\n")
+    atomic_write_text(
+        args.out / "results.md",
+        f"# Spec-Bench on {lm.name}\n\n`{cmd}`; {len(questions)} questions, "
+        f"greedy, batch 1, float32, {blas_info().name} BLAS; decode tokens/s (prefill excluded), "
+        f"speedup over plain decoding in the same run.\n\n{md}\n\n![speedup per category](results.png)\n",
+    )
     plot(summary, names, categories, args.out / "results.png")
     print(md)
     return 0

@@ -16,12 +16,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx.utils import tree_flatten
-
-from m2r2_mlx.adapters import config_for_base, save_adapters
-from m2r2_mlx.config import CONFIG_FILE, M2R2Config, even_gates
+from m2r2_mlx.core.adapters import config_for_base, save_adapters
+from m2r2_mlx.core.config import CONFIG_FILE, M2R2Config, even_gates
+from m2r2_mlx.core.fast_stream import M2R2Model
 from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.fast_stream import M2R2Model
+
+from mlx.utils import tree_flatten
 
 from .peft import looks_like_peft, read_lora_settings, to_m2r2_name, to_peft_name
 from .sources import FLOAT_DTYPES, Checkpoint, dtype_name
@@ -67,7 +67,12 @@ def plan_conversion(ckpt: Checkpoint, lm, gates: list[int] | None = None, every:
     if looks_like_peft(ckpt.folder, names):
         layout = PEFT_LAYOUT
         lora = read_lora_settings(ckpt.folder, names)
-        fields = {"adapter_form": "lora", "adapter_rank": lora.rank, "lora_targets": lora.targets, "lora_scale": lora.scale}
+        fields = {
+            "adapter_form": "lora",
+            "adapter_rank": lora.rank,
+            "lora_targets": lora.targets,
+            "lora_scale": lora.scale,
+        }
         targets = {n: to_m2r2_name(n) for n in names}
         _check_lora_rank(ckpt, targets, lora.rank)
     else:
@@ -93,14 +98,23 @@ def write_conversion(conversion: Conversion, out: str | Path, dtype: str = "floa
 def format_table(conversion: Conversion, dtype: str) -> str:
     """The name mapping as an aligned text table, with a summary line."""
     header = ("source name", "target name", "shape", "dtype")
-    rows = [(s, t, "x".join(map(str, shape)), d if d == dtype else f"{d} -> {dtype}") for s, t, shape, d in conversion.rows()]
+    rows = [
+        (s, t, "x".join(map(str, shape)), d if d == dtype else f"{d} -> {dtype}")
+        for s, t, shape, d in conversion.rows()
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     cfg = conversion.config
     count = sum(conversion.checkpoint.tensors[s].size for s, *_ in conversion.rows())
-    form = f"lora on {','.join(cfg.lora_targets)}, scale {cfg.lora_scale:g}" if cfg.adapter_form == "lora" else cfg.adapter_form
-    lines.append(f"{len(rows)} tensors, {count:,} parameters: {conversion.layout} -> {form}, rank {cfg.adapter_rank}, "
-                 f"gates {cfg.gates}{', ARLA ' + str(cfg.arla_dim) if cfg.arla else ''}, base {cfg.base_model}")
+    form = (
+        f"lora on {','.join(cfg.lora_targets)}, scale {cfg.lora_scale:g}"
+        if cfg.adapter_form == "lora"
+        else cfg.adapter_form
+    )
+    lines.append(
+        f"{len(rows)} tensors, {count:,} parameters: {conversion.layout} -> {form}, rank {cfg.adapter_rank}, "
+        f"gates {cfg.gates}{', ARLA ' + str(cfg.arla_dim) if cfg.arla else ''}, base {cfg.base_model}"
+    )
     return "\n".join(lines)
 
 
@@ -118,8 +132,10 @@ def _config_beside(folder: Path, lm) -> M2R2Config | None:
     cfg = M2R2Config.load(folder)
     layers, hidden = len(lm.model.layers), int(lm.model.args.hidden_size)
     if (cfg.num_layers, cfg.hidden_size) != (layers, hidden):
-        raise M2R2Error(f"{folder / CONFIG_FILE} is for a base with {cfg.num_layers} layers of width {cfg.hidden_size}, "
-                        f"not {lm.name!r} ({layers} layers of width {hidden}); check --base")
+        raise M2R2Error(
+            f"{folder / CONFIG_FILE} is for a base with {cfg.num_layers} layers of width {cfg.hidden_size}, "
+            f"not {lm.name!r} ({layers} layers of width {hidden}); check --base"
+        )
     return cfg
 
 
@@ -127,12 +143,17 @@ def _choose_gates(beside: M2R2Config | None, gates: list[int] | None, every: int
     asked = gates or (even_gates(num_layers, every) if every else None)
     if beside is not None:
         if asked and asked != beside.gates:
-            raise M2R2Error(f"gates {asked} disagree with {CONFIG_FILE} beside the checkpoint ({beside.gates}); drop --gates/--every")
+            raise M2R2Error(
+                f"gates {asked} disagree with {CONFIG_FILE} beside the checkpoint ({beside.gates}); drop "
+                "--gates/--every"
+            )
         return beside.gates
     if asked:
         return asked
     if num_layers <= DEFAULT_EVERY:
-        raise M2R2Error(f"the base has {num_layers} layers, too few for the default gate every {DEFAULT_EVERY}; pass --gates")
+        raise M2R2Error(
+            f"the base has {num_layers} layers, too few for the default gate every {DEFAULT_EVERY}; pass --gates"
+        )
     return even_gates(num_layers, DEFAULT_EVERY)
 
 
@@ -140,13 +161,18 @@ def _infer_own_form(ckpt: Checkpoint, gates: list[int]) -> dict:
     """Bottleneck rank (one, or one per gate interval) and ARLA width from the tensors' shapes (no config
     beside the checkpoint)."""
     if any(n.startswith("lora.") for n in ckpt.tensors):
-        raise M2R2Error(f"{ckpt.path.name} holds lora.* weights in this project's layout; put the m2r2_config.json "
-                        "they were trained with beside it (it names the targets and scale)")
+        raise M2R2Error(
+            f"{ckpt.path.name} holds lora.* weights in this project's layout; put the m2r2_config.json "
+            "they were trained with beside it (it names the targets and scale)"
+        )
     ranks = [_dim(ckpt, f"adapters.{start}.down.weight", 0) for start in [0, *gates[:-1]]]
     fields = {"adapter_rank": ranks[0] if len(set(ranks)) == 1 else ranks}
     if any(n.startswith("arla.") for n in ckpt.tensors):
-        fields.update(arla=True, arla_dim=_dim(ckpt, "arla.proj.weight", 0),
-                      arla_exit_stats="arla.exit_proj.weight" in ckpt.tensors)
+        fields.update(
+            arla=True,
+            arla_dim=_dim(ckpt, "arla.proj.weight", 0),
+            arla_exit_stats="arla.exit_proj.weight" in ckpt.tensors,
+        )
     return fields
 
 
@@ -158,9 +184,16 @@ def _dim(ckpt: Checkpoint, name: str, axis: int) -> int:
 
 def _check_lora_rank(ckpt: Checkpoint, targets: dict[str, str | None], rank: int) -> None:
     for source, target in targets.items():
-        if target and target.endswith(".lora_a.weight") and ckpt.tensors[source].ndim == 2 and ckpt.tensors[source].shape[0] != rank:
-            raise M2R2Error(f"{source!r} has rank {ckpt.tensors[source].shape[0]}, but adapter_config.json says r={rank}; "
-                            "the config and the weights come from different runs")
+        if (
+            target
+            and target.endswith(".lora_a.weight")
+            and ckpt.tensors[source].ndim == 2
+            and ckpt.tensors[source].shape[0] != rank
+        ):
+            raise M2R2Error(
+                f"{source!r} has rank {ckpt.tensors[source].shape[0]}, but adapter_config.json says r={rank}; "
+                "the config and the weights come from different runs"
+            )
 
 
 # ---- validation ------------------------------------------------------------------------
@@ -180,13 +213,17 @@ def _validate(conv: Conversion) -> None:
         seen[target] = source
     missing = [t for t in expected if t not in seen]
     if missing:
-        names = repr(conv.source_of(missing[0])) + ("" if conv.source_of(missing[0]) == missing[0] else f" (M2R2 {missing[0]})")
+        names = repr(conv.source_of(missing[0])) + (
+            "" if conv.source_of(missing[0]) == missing[0] else f" (M2R2 {missing[0]})"
+        )
         raise M2R2Error(f"missing key {names}{_more(missing)} in {file}: adapters for gates {cfg.gates} need it")
     for source, target in conv.targets.items():
         have, want = tuple(tensors[source].shape), tuple(expected[target].shape)
         if have != want:
-            raise M2R2Error(f"key {source!r} in {file} has shape {have}, expected {want} "
-                            f"({_sizes(cfg)}); the checkpoint was made for another base or size")
+            raise M2R2Error(
+                f"key {source!r} in {file} has shape {have}, expected {want} "
+                f"({_sizes(cfg)}); the checkpoint was made for another base or size"
+            )
 
 
 def _why_unknown(conv: Conversion, source: str) -> str:
@@ -196,8 +233,10 @@ def _why_unknown(conv: Conversion, source: str) -> str:
         return "not a decoder layer's LoRA weight (base_model.model.model.layers.N.<module>.lora_A/lora_B.weight)"
     m = _LAYER.match(target)
     if m and int(m[1]) >= last:
-        return (f"layer {m[1]} is past the last gate ({last}), where the fast stream stops; "
-                "pass the gates the adapters were trained for (--gates)")
+        return (
+            f"layer {m[1]} is past the last gate ({last}), where the fast stream stops; "
+            "pass the gates the adapters were trained for (--gates)"
+        )
     if conv.layout == PEFT_LAYOUT:
         return f"not one of the LoRA targets {conv.config.lora_targets} of the base's layers"
     return f"not an M2R2 adapter weight (expected names: adapters.N.norm/down/up.weight for N < {last}, arla.*)"

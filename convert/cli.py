@@ -11,7 +11,13 @@ import argparse
 import sys
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
+from m2r2_mlx.core.adapters import refuse_existing
 from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.models.gguf_import import import_gguf
+from m2r2_mlx.models.registry import load_model
+
+from .checkpoint import format_table, plan_conversion, write_conversion
+from .sources import read_checkpoint
 
 COMMANDS = ("gguf", "checkpoint")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -36,19 +42,30 @@ def add_gguf_parser(sub) -> None:
 
 
 def add_checkpoint_parser(sub) -> None:
-    c = sub.add_parser("checkpoint", help="turn PyTorch-trained adapters (own layout or PEFT LoRA) into an M2R2 adapters folder",
-                       description="Read a PyTorch state dict (.pt/.pth/.bin), .safetensors, a sharded checkpoint "
-                                   "(*.index.json) or a folder; map its names to M2R2's, check every key and shape "
-                                   "against the base model, and write an adapters folder for m2r2-chat --adapters.")
+    c = sub.add_parser(
+        "checkpoint",
+        help="turn PyTorch-trained adapters (own layout or PEFT LoRA) into an M2R2 adapters folder",
+        description="Read a PyTorch state dict (.pt/.pth/.bin), .safetensors, a sharded checkpoint "
+        "(*.index.json) or a folder; map its names to M2R2's, check every key and shape "
+        "against the base model, and write an adapters folder for m2r2-chat --adapters.",
+    )
     c.add_argument("checkpoint", help="checkpoint file, shard index, or folder (a PEFT output folder works as it is)")
-    c.add_argument("--base", required=True, help="the base model the adapters were trained for: alias (smollm2), repo id or folder")
+    c.add_argument(
+        "--base", required=True, help="the base model the adapters were trained for: alias (smollm2), repo id or folder"
+    )
     c.add_argument("-o", "--output", help="adapters folder to write (written atomically)")
     gates = c.add_mutually_exclusive_group()
-    gates.add_argument("--gates", help="exit gates, e.g. 6,12,18,24 (default: from m2r2_config.json beside the checkpoint, "
-                                       "else every 6 layers)")
+    gates.add_argument(
+        "--gates",
+        help="exit gates, e.g. 6,12,18,24 (default: from m2r2_config.json beside the checkpoint, else every 6 layers)",
+    )
     gates.add_argument("--every", type=int, help="a gate every N layers")
-    c.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written adapters (default: float32)")
-    c.add_argument("--dry-run", action="store_true", help="print the name mapping (source, target, shape, dtype); write nothing")
+    c.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="dtype of the written adapters (default: float32)"
+    )
+    c.add_argument(
+        "--dry-run", action="store_true", help="print the name mapping (source, target, shape, dtype); write nothing"
+    )
     c.add_argument("--force", action="store_true", help="replace an existing output folder")
 
 
@@ -69,12 +86,6 @@ def _gates(text: str | None) -> list[int] | None:
 
 
 def convert_checkpoint(args: argparse.Namespace) -> None:
-    from m2r2_mlx.adapters import refuse_existing
-    from m2r2_mlx.registry import load_model
-
-    from .checkpoint import format_table, plan_conversion, write_conversion
-    from .sources import read_checkpoint
-
     if not args.output and not args.dry_run:
         raise M2R2Error("say where to write the adapters with -o OUT_DIR (or look first with --dry-run)")
     if args.every is not None and args.every < 1:
@@ -90,15 +101,15 @@ def convert_checkpoint(args: argparse.Namespace) -> None:
         return
     out = write_conversion(conversion, args.output, dtype=args.dtype, force=args.force)
     cfg = conversion.config
-    print(f"wrote {out}: {conversion.layout} -> {cfg.adapter_form}, gates {cfg.gates}, {args.dtype} "
-          f"(try: m2r2-chat --model {args.base} --adapters {out} --mode speculative)")
+    print(
+        f"wrote {out}: {conversion.layout} -> {cfg.adapter_form}, gates {cfg.gates}, {args.dtype} "
+        f"(try: m2r2-chat --model {args.base} --adapters {out} --mode speculative)"
+    )
 
 
 def _main() -> int:
     args = parse_args(sys.argv[1:])
     if args.command == "gguf":
-        from m2r2_mlx.gguf_import import import_gguf
-
         out = import_gguf(args.gguf, args.output, force=args.force)
         print(f"wrote {out} (try: m2r2-chat --model {out})")
     elif args.command == "checkpoint":

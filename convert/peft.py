@@ -76,7 +76,9 @@ def read_lora_settings(folder: Path, names) -> LoraSettings:
         if cfg.get(key):
             raise M2R2Error(f"{path} sets {key}: {why} are not supported by the M2R2 lora form")
     if cfg.get("bias", "none") not in ("none", None):
-        raise M2R2Error(f"{path} sets bias={cfg['bias']!r}: trained base biases are not supported by the M2R2 lora form")
+        raise M2R2Error(
+            f"{path} sets bias={cfg['bias']!r}: trained base biases are not supported by the M2R2 lora form"
+        )
     if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
         raise M2R2Error(f"{path} has no LoRA rank r (a positive integer)")
     rank, alpha = cfg["r"], float(cfg.get("lora_alpha", 8))  # 8 is PEFT's default lora_alpha

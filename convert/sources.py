@@ -14,9 +14,9 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
-
 from m2r2_mlx.errors import M2R2Error
+
+import mlx.core as mx
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -75,7 +75,9 @@ def _pick_file(folder: Path) -> Path:
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
-            raise M2R2Error(f"{folder} holds several checkpoints ({', '.join(p.name for p in found)}); pass the file to convert")
+            raise M2R2Error(
+                f"{folder} holds several checkpoints ({', '.join(p.name for p in found)}); pass the file to convert"
+            )
     raise M2R2Error(f"{folder} holds no checkpoint (.safetensors, .pt, .pth, .bin or *.index.json)")
 
 
@@ -85,7 +87,9 @@ def _read_index(index: Path, ckpt: Checkpoint) -> None:
         if not isinstance(weight_map, dict):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise M2R2Error(f"{index} is not a shard index (it needs a \"weight_map\": {{tensor name: shard file}})") from None
+        raise M2R2Error(
+            f'{index} is not a shard index (it needs a "weight_map": {{tensor name: shard file}})'
+        ) from None
     for shard in sorted(set(weight_map.values())):
         shard_path = index.parent / shard
         if not shard_path.is_file():
@@ -93,7 +97,9 @@ def _read_index(index: Path, ckpt: Checkpoint) -> None:
         _read_file(shard_path, ckpt)
     for name, shard in weight_map.items():
         if name not in ckpt.files or ckpt.files[name].name != Path(shard).name:
-            raise M2R2Error(f"{index.name} places tensor {name!r} in {shard}, which does not hold it; the index and shards disagree")
+            raise M2R2Error(
+                f"{index.name} places tensor {name!r} in {shard}, which does not hold it; the index and shards disagree"
+            )
 
 
 def _read_file(file: Path, ckpt: Checkpoint) -> None:
@@ -102,7 +108,9 @@ def _read_file(file: Path, ckpt: Checkpoint) -> None:
     elif file.suffix in TORCH_SUFFIXES:
         arrays = _read_torch(file)
     else:
-        raise M2R2Error(f"{file.name}: unknown checkpoint format; expected .safetensors, .pt, .pth, .bin or *.index.json")
+        raise M2R2Error(
+            f"{file.name}: unknown checkpoint format; expected .safetensors, .pt, .pth, .bin or *.index.json"
+        )
     for name, array in arrays.items():
         ckpt.add(name, array, file)
 
@@ -112,29 +120,41 @@ def _read_safetensors(file: Path) -> dict[str, mx.array]:
     try:
         return mx.load(str(file), format="safetensors")
     except (RuntimeError, ValueError, OSError) as e:
-        raise M2R2Error(f"{file} cannot be read as safetensors ({_first_sentence(e)}); it is truncated or not a safetensors file") from None
+        raise M2R2Error(
+            f"{file} cannot be read as safetensors ({_first_sentence(e)}); it is truncated or not a safetensors file"
+        ) from None
 
 
 def _read_torch(file: Path) -> dict[str, mx.array]:
     try:
         import torch
     except ImportError:
-        raise M2R2Error(f"reading {file.name} needs PyTorch; install it with: {INSTALL_TORCH}, or convert a .safetensors file") from None
+        raise M2R2Error(
+            f"reading {file.name} needs PyTorch; install it with: {INSTALL_TORCH}, or convert a .safetensors file"
+        ) from None
     try:
         # weights_only: unpickling may build tensors and plain containers, never run code
         state = torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError:
-        raise M2R2Error(f"{file} holds pickled objects other than tensors, which are not loaded (weights_only); "
-                        "save a plain state dict: torch.save(model.state_dict(), path)") from None
+        raise M2R2Error(
+            f"{file} holds pickled objects other than tensors, which are not loaded (weights_only); "
+            "save a plain state dict: torch.save(model.state_dict(), path)"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise M2R2Error(f"{file} cannot be read by torch.load ({_first_sentence(e)}); it is truncated or not a PyTorch checkpoint") from None
+        raise M2R2Error(
+            f"{file} cannot be read by torch.load ({_first_sentence(e)}); it is truncated or not a PyTorch checkpoint"
+        ) from None
     if not isinstance(state, dict):
-        raise M2R2Error(f"{file} holds a {type(state).__name__}, not a state dict; save torch.save(model.state_dict(), path)")
+        raise M2R2Error(
+            f"{file} holds a {type(state).__name__}, not a state dict; save torch.save(model.state_dict(), path)"
+        )
     out = {}
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
-            raise M2R2Error(f"{file}: entry {name!r} is a {type(value).__name__}, not a tensor; "
-                            "save a flat state dict of tensors: torch.save(model.state_dict(), path)")
+            raise M2R2Error(
+                f"{file}: entry {name!r} is a {type(value).__name__}, not a tensor; "
+                "save a flat state dict of tensors: torch.save(model.state_dict(), path)"
+            )
         dtype = _check_float(str(value.dtype).removeprefix("torch."), name, file)
         # numpy has no bfloat16: go through float32, which holds bf16 and fp16 values exactly
         out[name] = mx.array(value.detach().to(torch.float32).numpy()).astype(FLOAT_DTYPES[dtype])
@@ -143,7 +163,9 @@ def _read_torch(file: Path) -> dict[str, mx.array]:
 
 def _check_float(dtype: str, name: str, file: Path) -> str:
     if dtype not in FLOAT_DTYPES:
-        raise M2R2Error(f"tensor {name!r} in {file.name} is {dtype}; adapters are read from float32, float16 or bfloat16 tensors")
+        raise M2R2Error(
+            f"tensor {name!r} in {file.name} is {dtype}; adapters are read from float32, float16 or bfloat16 tensors"
+        )
     return dtype
 
 

@@ -82,7 +82,9 @@ class M2R2Adapters(nn.Module):
         super().__init__()
         ranks = rank if isinstance(rank, list) else [rank] * len(gates)  # one per gate interval
         spans = zip([0, *gates[:-1]], gates, ranks)
-        self.adapters = nn.ModuleList(BottleneckAdapter(dims, r) for start, stop, r in spans for _ in range(start, stop))
+        self.adapters = nn.ModuleList(
+            BottleneckAdapter(dims, r) for start, stop, r in spans for _ in range(start, stop)
+        )
         self.arla = ARLA(dims, arla_dim, len(gates), arla_exit_stats) if arla_dim else None
 
 
@@ -165,7 +167,11 @@ class LlamaAttention(nn.Module):
         B, T, _ = x.shape
 
         def heads(name: str, n: int) -> torch.Tensor:
-            return _project(getattr(self, name), f"self_attn.{name}", x, deltas).view(B, T, n, self.head_dim).transpose(1, 2)
+            return (
+                _project(getattr(self, name), f"self_attn.{name}", x, deltas)
+                .view(B, T, n, self.head_dim)
+                .transpose(1, 2)
+            )
 
         q = rope(heads("q_proj", self.heads), self.rope_theta)
         k = rope(heads("k_proj", self.kv_heads), self.rope_theta)
@@ -219,9 +225,14 @@ class LlamaReference(nn.Module):
         dims = config["hidden_size"]
         self.embed_tokens = nn.Embedding(config["vocab_size"], dims)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, config["intermediate_size"], config["num_attention_heads"],
-                              config.get("num_key_value_heads", config["num_attention_heads"]),
-                              config["rms_norm_eps"], config.get("rope_theta", 10000.0))
+            LlamaDecoderLayer(
+                dims,
+                config["intermediate_size"],
+                config["num_attention_heads"],
+                config.get("num_key_value_heads", config["num_attention_heads"]),
+                config["rms_norm_eps"],
+                config.get("rope_theta", 10000.0),
+            )
             for _ in range(config["num_hidden_layers"])
         )
         self.norm = RMSNorm(dims, config["rms_norm_eps"])

@@ -1,15 +1,47 @@
 """m2r2-mlx: Mixture of Multi-Rate Residuals decoding on MLX.
 
-Importing this package first preloads an optimised BLAS on Linux (see blas.py);
-it must happen before ``mlx.core`` is imported anywhere in the process.
+    import m2r2_mlx
+    lm = m2r2_mlx.load_model("smollm2")                  # alias, repo id, folder or .gguf
+    chat = m2r2_mlx.ChatSession(lm, decoder=m2r2_mlx.make_decoder(lm, "speculative"))
+    for event in chat.send("What is the capital of France?"):
+        print(event.text, end="")
+
+Layers, each importing only the ones before it: ``models`` (loading bases) → ``core`` (the M2R2 model:
+fast stream, adapters, ARLA) → ``decoding`` (plain, speculative, early exit, chat sessions) → the apps
+(``tui``, ``convert``, ``bench``, ``server``); ``training`` and ``moe`` build on ``core``.
+
+Importing this package first preloads an optimised BLAS on Linux (models/blas.py); it must happen
+before ``mlx.core`` is imported anywhere in the process, so the public names below load lazily.
 """
 
 import os
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # mlx-lm's tokenizers need no PyTorch; hush that notice
 
-from .blas import ensure_fast_blas
+from .models.blas import ensure_fast_blas  # noqa: E402  (after the environment, before anything imports mlx)
 
 ensure_fast_blas()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# name -> module: resolved on first use (PEP 562), so `import m2r2_mlx` stays cheap and mlx loads after the BLAS
+_PUBLIC = {
+    "load_model": "m2r2_mlx.models.registry",
+    "LoadedModel": "m2r2_mlx.models.registry",
+    "load_adapters": "m2r2_mlx.core.adapters",
+    "make_decoder": "m2r2_mlx.decoding.decoders",
+    "generate": "m2r2_mlx.decoding.generate",
+    "TokenEvent": "m2r2_mlx.decoding.generate",
+    "ChatSession": "m2r2_mlx.decoding.chat",
+    "AnswerStats": "m2r2_mlx.decoding.stats",
+    "M2R2Error": "m2r2_mlx.errors",
+}
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'm2r2_mlx' has no attribute {name!r}")

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from .errors import M2R2Error
 
 
@@ -70,8 +72,6 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def atomic_save_npy(path: str | Path, array) -> Path:
     """``np.save`` that never leaves a half-written file (training rows, loss masks)."""
-    import numpy as np
-
     return _atomic_write(path, lambda f: np.save(f, array), "wb")
 
 

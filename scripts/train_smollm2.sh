@@ -22,7 +22,7 @@ if [ ! -f $init/adapters.safetensors ]; then
 fi
 # Data v2 is conversations 1-320 of the corpora builder's 2,600 (with its 150k characters of text), data v3 321-640.
 if [ ! -f build/data/prompts-321-640.jsonl ]; then
-  python -m m2r2_mlx.corpora -o build/data --prompts 2600 --text-chars 150000
+  python -m m2r2_mlx.training.corpora -o build/data --prompts 2600 --text-chars 150000
   sed -n 1,320p build/data/prompts.jsonl > build/data/prompts-320.jsonl
   sed -n 321,640p build/data/prompts.jsonl > build/data/prompts-321-640.jsonl
 fi
@@ -47,4 +47,4 @@ m2r2-train --model smollm2 --data build/data-v2v3.npy --init $init --rank 256,64
   --seq-len 256 --batch-size 4 --steps 350 --lr 1e-3 --top-k 16 --align 1.0 \
   --eval-rows 24 --checkpoint-every 50 --stage both --arla-rows 96 --arla-steps 600 --exit-vocab 4096 -o "$out" --resume
 cp "$out"/{adapters.safetensors,m2r2_config.json,draft_vocab.json} m2r2_mlx/trained/smollm2/
-echo "adapters rebuilt into m2r2_mlx/trained/smollm2/ (figures: python -m bench.gate_agreement, docs/training.md)"
+echo "adapters rebuilt into m2r2_mlx/trained/smollm2/ (figures: python -m experiments.gate_agreement, docs/training.md)"

@@ -1,8 +1,7 @@
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
+from m2r2_mlx.models.registry import load_model
 
 import pytest
-
-from m2r2_mlx.registry import load_model
 
 FRANCE = "What is the capital of France?"
 

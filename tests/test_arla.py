@@ -2,15 +2,15 @@
 
 import json
 
+from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.core.arla import ARLA, exit_stats
+from m2r2_mlx.core.config import M2R2Config
+from m2r2_mlx.decoding.decoders import packaged_adapters
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
-
-from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
-from m2r2_mlx.arla import ARLA, exit_stats
-from m2r2_mlx.config import M2R2Config
-from m2r2_mlx.decoders import packaged_adapters
 
 from .tiny import tiny_model
 
@@ -28,22 +28,29 @@ def test_logits_all_equals_one_call_per_prefix():
     all_at_once = arla.logits_all(zs)
     assert all_at_once.shape == (3, 5, 4)
     for n in range(1, 5):
-        np.testing.assert_allclose(np.array(all_at_once[..., n - 1]), np.array(arla(zs[..., :n, :])), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            np.array(all_at_once[..., n - 1]), np.array(arla(zs[..., :n, :])), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_first_gate_has_zero_velocity():
     """With one gate, the value the head reads is value([z, 0]): no velocity term."""
     arla = _random_arla()
     z = mx.random.normal((2, 1, 8))
-    expect = arla.out(mx.concatenate([arla.value(mx.concatenate([z, mx.zeros_like(z)], -1))[:, 0], z[:, 0]], -1))[..., 0]
+    expect = arla.out(mx.concatenate([arla.value(mx.concatenate([z, mx.zeros_like(z)], -1))[:, 0], z[:, 0]], -1))[
+        ..., 0
+    ]
     assert mx.array_equal(arla(z), expect).item()
 
 
 def test_latent_adds_the_gate_embedding():
     arla = _random_arla()
     h = mx.random.normal((2, 32))
-    np.testing.assert_allclose(np.array(arla.latent(h, 2) - arla.latent(h, 0)),
-                               np.array(mx.broadcast_to(arla.depth[2] - arla.depth[0], (2, 8))), atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(arla.latent(h, 2) - arla.latent(h, 0)),
+        np.array(mx.broadcast_to(arla.depth[2] - arla.depth[0], (2, 8))),
+        atol=1e-5,
+    )
 
 
 def test_arla_weights_travel_with_the_adapters(tmp_path):
@@ -89,7 +96,9 @@ def test_exit_stats_of_a_known_distribution():
 
 def test_exit_stats_match_the_softmax_definition_on_wide_logits():
     """The one-exp form equals max p, its margin and the normalised entropy of softmax(logits)."""
-    x = np.random.default_rng(3).normal(size=(4, 4096)).astype(np.float32) * np.array([[0.1], [2], [8], [30]], np.float32)
+    x = np.random.default_rng(3).normal(size=(4, 4096)).astype(np.float32) * np.array(
+        [[0.1], [2], [8], [30]], np.float32
+    )
     p = np.exp(x - x.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     top = np.sort(p, -1)
@@ -101,7 +110,7 @@ def test_exit_stats_match_the_softmax_definition_on_wide_logits():
 def test_arla_with_exit_stats_reads_them_and_saves_them(tmp_path):
     """A head built to read the exit statistics learns a label they decide, which the residual alone cannot;
     its extra weights travel with the adapters folder."""
-    from m2r2_mlx.exit_decisions import arla_logits, fit, predict, roc_auc
+    from m2r2_mlx.training.exit_decisions import arla_logits, fit, predict, roc_auc
 
     rng = np.random.default_rng(0)
     h = rng.normal(size=(2000, 2, 32)).astype(np.float32)  # carries no information about the label

@@ -3,9 +3,9 @@
 import os
 import stat
 
-import pytest
-
 from m2r2_mlx.atomic import atomic_folder
+
+import pytest
 
 
 def test_folder_appears_whole_with_umask_permissions(tmp_path):

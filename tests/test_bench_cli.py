@@ -21,6 +21,7 @@ def _questions(tmp_path):
     return q
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_bench_runs_every_method_and_writes_its_files(tmp_path):
     q = _questions(tmp_path)
@@ -65,5 +66,7 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
     (["--questions", "/no/such.jsonl"], "not found"),
 ])
 def test_bench_bad_input_is_one_line(tmp_path, args, message):
-    r = subprocess.run([EXE, "--questions", str(_questions(tmp_path)), *args], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [EXE, "--questions", str(_questions(tmp_path)), *args], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

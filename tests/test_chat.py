@@ -2,10 +2,10 @@
 
 import json
 
-import pytest
-
-from m2r2_mlx.chat import ChatSession
+from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.errors import M2R2Error
+
+import pytest
 
 from .conftest import FRANCE
 

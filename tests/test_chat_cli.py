@@ -8,6 +8,7 @@ import pytest
 EXE = shutil.which("m2r2-chat")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_one_shot_answer_and_summary():
     r = subprocess.run([EXE, "--prompt", "What is the capital of France?", "--max-tokens", "30"],
@@ -24,6 +25,7 @@ def test_no_terminal_without_prompt_is_one_line():
     assert r.returncode == 2 and "--prompt" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_draft_and_verify_modes_answer_like_plain():
     q = ["--prompt", "Name three primary colors.", "--max-tokens", "40"]
@@ -45,5 +47,7 @@ def test_draft_and_verify_modes_answer_like_plain():
     (["--adapters", "/no/such/dir"], "not found"),
 ])
 def test_speculative_mode_bad_input(extra, message):
-    r = subprocess.run([EXE, "--prompt", "hi", "--mode", "speculative", *extra], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [EXE, "--prompt", "hi", "--mode", "speculative", *extra], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -1,17 +1,20 @@
 """The first interval's context feature: the previous position's final residual, projected into its start."""
 
+from m2r2_mlx.core.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.decoding.drafters import LayerDrafter
+from m2r2_mlx.decoding.early_exit import early_exit_generate
+from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.speculative import speculative_generate
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from m2r2_mlx.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
-from m2r2_mlx.drafters import LayerDrafter
-from m2r2_mlx.early_exit import early_exit_generate
-from m2r2_mlx.generate import PromptCache, generate
-from m2r2_mlx.speculative import speculative_generate
-
-from .tiny import random_ids as _ids, random_prompts as _prompts, randomize as _randomize, tiny_model
+from .tiny import random_ids as _ids
+from .tiny import random_prompts as _prompts
+from .tiny import randomize as _randomize
+from .tiny import tiny_model
 
 
 def test_zero_initialised_feature_changes_nothing():
@@ -108,7 +111,7 @@ def test_the_stand_in_is_what_a_second_draft_reads(lm, ctx_m2r2):
     """evaluate.first_gate_by_context's stand-in: the context a second draft reads at decode time, where the
     first draft's exit state takes the place of a final state not computed yet. (A second draft also attends to
     the first draft's provisional K/V; the ablation keeps the slow stream's, as here, to isolate the feature.)"""
-    from m2r2_mlx.evaluate import first_gate_by_context
+    from m2r2_mlx.training.evaluate import first_gate_by_context
 
     ids = _prompts(1, seed=11)[0] + [5, 17]
     cache = PromptCache(ctx_m2r2.base)
@@ -127,7 +130,7 @@ def test_the_stand_in_is_what_a_second_draft_reads(lm, ctx_m2r2):
 
 
 def test_context_feature_ablation_counts():
-    from m2r2_mlx.evaluate import context_feature_ablation, exit_matches, row_batches
+    from m2r2_mlx.training.evaluate import context_feature_ablation, exit_matches, row_batches
 
     # a gate near the top of a shallow model, so that enough exits are right to count after them
     m = add_context_feature(new_m2r2(tiny_model("llama", seed=7, num_hidden_layers=3), gates=[2]))

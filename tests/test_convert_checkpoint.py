@@ -13,25 +13,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+from m2r2_mlx.core.adapters import load_adapters
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.models.registry import load_model
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from m2r2_mlx.adapters import load_adapters
-from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.registry import load_model
-
 from .tiny import CONFIGS, tiny_model
 
 torch = pytest.importorskip("torch")
-from safetensors.torch import save_file
+from safetensors.torch import save_file  # noqa: E402  (after the skip: needs torch)
 
-from convert import torch_reference as ref
-from convert.checkpoint import plan_conversion
-from convert.cli import parse_args
-from convert.peft import to_m2r2_name, to_peft_name
-from convert.sources import read_checkpoint
+from convert import torch_reference as ref  # noqa: E402
+from convert.checkpoint import plan_conversion  # noqa: E402
+from convert.cli import parse_args  # noqa: E402
+from convert.peft import to_m2r2_name, to_peft_name  # noqa: E402
+from convert.sources import read_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GATES = [2, 4]
@@ -127,8 +127,9 @@ def assert_same_arla(m2r2, module, fast, torch_fast):
     zs = mx.stack([m2r2.arla.latent(h, j, mx.array(s)) for j, (h, s) in enumerate(zip(fast, stats))], axis=-2)
     got = np.array(m2r2.arla.logits_all(zs))
     with torch.no_grad():
-        tzs = torch.stack([module.arla.latent(h, j, torch.from_numpy(s)) for j, (h, s) in enumerate(zip(torch_fast, stats))],
-                          dim=-2)
+        tzs = torch.stack(
+            [module.arla.latent(h, j, torch.from_numpy(s)) for j, (h, s) in enumerate(zip(torch_fast, stats))], dim=-2
+        )
         want = np.stack([module.arla(tzs[..., :n, :]).numpy() for n in range(1, len(GATES) + 1)], axis=-1)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
@@ -143,7 +144,13 @@ def test_state_dict_converts_to_the_same_exits_and_arla(base, tmp_path):
     assert "wrote" in r.stdout
     m2r2 = load_adapters(lm, out)  # also checks the recorded base identity
     cfg = m2r2.config
-    assert (cfg.gates, cfg.adapter_rank, cfg.arla, cfg.arla_dim, cfg.arla_exit_stats) == (GATES, RANK, True, ARLA_DIM, True)
+    assert (cfg.gates, cfg.adapter_rank, cfg.arla, cfg.arla_dim, cfg.arla_exit_stats) == (
+        GATES,
+        RANK,
+        True,
+        ARLA_DIM,
+        True,
+    )
     assert cfg.base_model == str(folder) and cfg.extra["source_layout"] == "m2r2-pytorch"
     fast, torch_fast = assert_same_exits(m2r2, twin, module.adapters)
     assert_same_arla(m2r2, module, fast, torch_fast)
@@ -245,8 +252,15 @@ def write_peft(folder: Path, deltas, fmt="safetensors", **config) -> Path:
         save_file(state, folder / "adapter_model.safetensors")
     else:
         torch.save(state, folder / "adapter_model.bin")
-    adapter_config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 8, "bias": "none", "fan_in_fan_out": False,
-                      "target_modules": sorted({p.split(".")[-1] for p in LLAMA_TARGETS}), **config}
+    adapter_config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 8,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": sorted({p.split(".")[-1] for p in LLAMA_TARGETS}),
+        **config,
+    }
     (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
     return folder
 
@@ -254,7 +268,11 @@ def write_peft(folder: Path, deltas, fmt="safetensors", **config) -> Path:
 def test_peft_names():
     peft = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"
     assert to_peft_name("lora.3.self_attn.q_proj.lora_a.weight") == peft
-    assert to_m2r2_name(peft) == to_m2r2_name(peft.replace("lora_A", "lora_A.default")) == "lora.3.self_attn.q_proj.lora_a.weight"
+    assert (
+        to_m2r2_name(peft)
+        == to_m2r2_name(peft.replace("lora_A", "lora_A.default"))
+        == "lora.3.self_attn.q_proj.lora_a.weight"
+    )
     assert to_m2r2_name("base_model.model.lm_head.weight") is None
 
 
@@ -275,19 +293,24 @@ def test_peft_lora_converts_to_the_same_exits(base, tmp_path):
 
     # adapter_model.bin, fan_in_fan_out set (GPT-2-style Conv1D bases): lora_A/lora_B are
     # nn.Linear either way, so the same tensors come out
-    from_bin = _convert_in_process(write_peft(tmp_path / "peft-bin", deltas, fmt="bin", fan_in_fan_out=True), lm, gates=GATES)
+    from_bin = _convert_in_process(
+        write_peft(tmp_path / "peft-bin", deltas, fmt="bin", fan_in_fan_out=True), lm, gates=GATES
+    )
     from_safetensors = _convert_in_process(peft, lm, gates=GATES)
     assert from_bin.targets == from_safetensors.targets
     for source in from_bin.targets:
         assert mx.array_equal(from_bin.checkpoint.tensors[source], from_safetensors.checkpoint.tensors[source]).item()
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"use_dora": True}, "DoRA"),
-    ({"r": 8}, "adapter_config.json says r=8"),
-    ({"peft_type": "IA3"}, "only LoRA"),
-    ({"target_modules": ["q_proj", "qkv_proj"]}, "'qkv_proj' names no projection"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"r": 8}, "adapter_config.json says r=8"),
+        ({"peft_type": "IA3"}, "only LoRA"),
+        ({"target_modules": ["q_proj", "qkv_proj"]}, "'qkv_proj' names no projection"),
+    ],
+)
 def test_peft_configs_m2r2_cannot_express_are_refused(base, tmp_path, change, message):
     _, lm, twin = base
     folder = write_peft(tmp_path / "peft", random_lora(twin), **change)
@@ -316,9 +339,19 @@ def test_dry_run_prints_the_mapping_and_writes_nothing(base, tmp_path):
     assert r.returncode == 0, r.stderr
     header = r.stdout.splitlines()[0]
     assert header.split() == ["source", "name", "target", "name", "shape", "dtype"]
-    row = next(line for line in r.stdout.splitlines() if line.startswith("base_model.model.model.layers.0.self_attn.k_proj.lora_A"))
-    assert row.split() == ["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight",
-                           "lora.0.self_attn.k_proj.lora_a.weight", "4x64", "float32", "->", "float16"]
+    row = next(
+        line
+        for line in r.stdout.splitlines()
+        if line.startswith("base_model.model.model.layers.0.self_attn.k_proj.lora_A")
+    )
+    assert row.split() == [
+        "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight",
+        "lora.0.self_attn.k_proj.lora_a.weight",
+        "4x64",
+        "float32",
+        "->",
+        "float16",
+    ]
     assert "56 tensors" in r.stdout and "nothing written" in r.stdout
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
@@ -342,13 +375,16 @@ def _edit(state: dict, case: str) -> dict:
     return state
 
 
-@pytest.mark.parametrize(("case", "fragments"), [
-    ("missing", ["missing key 'adapters.3.up.weight'"]),
-    ("unknown", ["unknown key 'adapters.0.extra.weight'"]),
-    ("shape", ["'adapters.1.down.weight'", "(5, 64)", "expected (4, 64)"]),
-    ("object", ["objects other than tensors", "weights_only"]),
-    ("number", ["'step' is a int, not a tensor"]),
-])
+@pytest.mark.parametrize(
+    ("case", "fragments"),
+    [
+        ("missing", ["missing key 'adapters.3.up.weight'"]),
+        ("unknown", ["unknown key 'adapters.0.extra.weight'"]),
+        ("shape", ["'adapters.1.down.weight'", "(5, 64)", "expected (4, 64)"]),
+        ("object", ["objects other than tensors", "weights_only"]),
+        ("number", ["'step' is a int, not a tensor"]),
+    ],
+)
 def test_faulty_checkpoints_are_one_line_errors(base, tmp_path, case, fragments):
     folder = base[0]
     torch.save(_edit(random_adapters().state_dict(), case), tmp_path / "bad.pt")
@@ -377,6 +413,7 @@ def test_commands_and_short_form():
 # ---- the user path, on the embedded model ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("m2r2-convert") is None, reason="console scripts not installed (pip install -e .)")
 def test_user_path_convert_then_chat(tmp_path):
     """As a user would, through the console scripts: random small PyTorch adapters for SmolLM2-135M,
@@ -391,7 +428,16 @@ def test_user_path_convert_then_chat(tmp_path):
     r = script("m2r2-convert", tmp_path / "adapters.pt", "--base", "smollm2", "-o", out)  # gates: every 6 by default
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "m2r2_config.json").read_text())["gates"] == [6, 12, 18, 24]
-    r = script("m2r2-chat", "--adapters", out, "--mode", "speculative", "--prompt", "What is the capital of France?",
-               "--max-tokens", "8")
+    r = script(
+        "m2r2-chat",
+        "--adapters",
+        out,
+        "--mode",
+        "speculative",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "8",
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout

@@ -1,14 +1,13 @@
 """The CPU training kernels: exp, SwiGLU and attention equal MLX's own, values and gradients,
 and the swap into mlx-lm models is undone on exit."""
 
+from m2r2_mlx.training.cpu_kernels import fast_exp, fast_kernels, fast_sdpa, fast_swiglu
+
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm.models.llama as llama
 import numpy as np
 import pytest
-
-import mlx_lm.models.llama as llama
-
-from m2r2_mlx.cpu_kernels import fast_exp, fast_kernels, fast_sdpa, fast_swiglu
 
 from .tiny import tiny_model
 

@@ -2,17 +2,18 @@
 
 import json
 
-import pytest
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.training.data import DistillLog, mask_path, pack_loss_mask, pack_rows, read_prompts, self_distill
 
 import numpy as np
-
-from m2r2_mlx.data import DistillLog, mask_path, pack_loss_mask, pack_rows, read_prompts, self_distill
-from m2r2_mlx.errors import M2R2Error
+import pytest
 
 
 def test_read_prompts_takes_prompts_and_turns_and_names_bad_lines(tmp_path):
     good = tmp_path / "p.jsonl"
-    good.write_text(json.dumps({"prompt": "Hi"}) + "\n\n" + json.dumps({"turns": ["A?", "B?"], "category": "qa"}) + "\n")
+    good.write_text(
+        json.dumps({"prompt": "Hi"}) + "\n\n" + json.dumps({"turns": ["A?", "B?"], "category": "qa"}) + "\n"
+    )
     assert read_prompts(good) == [["Hi"], ["A?", "B?"]]
     for bad in ('{"turns": []}', '{"turns": [1]}', '{"text": "x"}', "not json"):
         path = tmp_path / "bad.jsonl"
@@ -55,8 +56,9 @@ def test_multi_turn_self_distillation_and_resume(lm, tmp_path):
 
     one, two = first
     # a transcript is the templated conversation, then the last answer's own token ids
-    assert one.tokens[: one.prompt_len] == tok.apply_chat_template([{"role": "user", "content": "Name a colour."}],
-                                                                    add_generation_prompt=True)
+    assert one.tokens[: one.prompt_len] == tok.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True
+    )
     assert 1 <= len(one.tokens) - one.prompt_len <= 12
     first_answer = json.loads(lines[[json.loads(l)["i"] for l in lines].index(1)])["answer"]
     history = tok.decode(two.tokens[: two.prompt_len])
@@ -71,7 +73,7 @@ def test_multi_turn_self_distillation_and_resume(lm, tmp_path):
 
 def test_distillation_under_the_cpu_kernels_gives_the_same_answers(lm):
     """Batched prompts of different lengths (padding masks) through the training kernels: same greedy tokens."""
-    from m2r2_mlx.cpu_kernels import fast_kernels
+    from m2r2_mlx.training.cpu_kernels import fast_kernels
 
     conversations = [["Name a colour."], ["Write one sentence about the sea and the wind."], ["What is 7 times 8?"]]
     exact = self_distill(lm, conversations, 10)

@@ -1,4 +1,4 @@
-"""bench.draft_calibration: acceptance by draft probability beside the measured cost of drafting."""
+"""experiments.draft_calibration: acceptance by draft probability beside the measured cost of drafting."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bench.draft_calibration import table
+from experiments.draft_calibration import table
 
 
 def test_table_marks_what_is_worth_verifying():
@@ -19,12 +19,29 @@ def test_table_marks_what_is_worth_verifying():
     assert "0.45 here; measured 29%, so drafting does not pay" in lines[-1]
 
 
+@pytest.mark.slow
 def test_calibration_runs_on_the_packaged_adapters(tmp_path):
     q = tmp_path / "question.jsonl"
     q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Name three colours."]}) + "\n")
     out = tmp_path / "calibration.md"
-    r = subprocess.run([sys.executable, "-m", "bench.draft_calibration", "--questions", str(q), "--categories", "qa",
-                        "--max-tokens", "12", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.draft_calibration",
+            "--questions",
+            str(q),
+            "--categories",
+            "qa",
+            "--max-tokens",
+            "12",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     text = out.read_text()
     assert "m2r2@L6" in text and "| all | " in text and "verify 2 tokens" in text
@@ -32,7 +49,7 @@ def test_calibration_runs_on_the_packaged_adapters(tmp_path):
 
 
 def test_policy_speedups_and_ceilings_follow_the_cost_model():
-    from bench.draft_calibration import ceilings, policy_speedups
+    from experiments.draft_calibration import ceilings, policy_speedups
 
     # 10 steps: 2 sure drafts (one accepted), 8 unsure (one accepted); a draft step 0.2, verifying 2 tokens 1.25
     pairs = [(0.9, True), (0.9, False)] + [(0.1, True)] + [(0.1, False)] * 7
@@ -48,18 +65,18 @@ def test_policy_speedups_and_ceilings_follow_the_cost_model():
 
 
 def test_acceptance_needed_inverts_the_cost_model():
-    from bench.draft_calibration import acceptance_needed
+    from experiments.draft_calibration import acceptance_needed
 
     costs = {"draft step": 0.2, "verify 2 tokens": 1.1, "verify 4 tokens": 1.3}
     (k1, t1, x1), (k3, t3, x3) = acceptance_needed(costs)
     assert (k1, k3) == (1, 3)
     assert t1 != t1 and x1 != x1  # one draft yields at most 2 tokens, and 2 / 1.3 < 2.0x
-    assert 1 + t3 + t3 ** 2 + t3 ** 3 == pytest.approx(3.0, abs=1e-6)
-    assert (1 + x3 + x3 ** 2 + x3 ** 3) / (3 * 0.2 + 1.3) == pytest.approx(2.0, abs=1e-6)
+    assert 1 + t3 + t3**2 + t3**3 == pytest.approx(3.0, abs=1e-6)
+    assert (1 + x3 + x3**2 + x3**3) / (3 * 0.2 + 1.3) == pytest.approx(2.0, abs=1e-6)
 
 
 def test_signal_table_splits_steps_by_what_is_known_before_drafting():
-    from bench.draft_calibration import signal_table
+    from experiments.draft_calibration import signal_table
 
     signals = [(0.1, None, False), (0.1, False, True), (0.99, True, True), (0.99, True, False), (0.5, False, False)]
     lines = signal_table(signals)
@@ -70,11 +87,12 @@ def test_signal_table_splits_steps_by_what_is_known_before_drafting():
 
 
 def test_signals_read_the_full_models_probability_of_the_token_each_draft_follows(lm):
+    from m2r2_mlx.decoding.decoders import make_drafter
+    from m2r2_mlx.decoding.generate import generate
+
     import mlx.core as mx
 
-    from bench.draft_calibration import acceptance_by_confidence
-    from m2r2_mlx.decoders import make_drafter
-    from m2r2_mlx.generate import generate
+    from experiments.draft_calibration import acceptance_by_confidence
 
     question = "Name three colours."
     drafter = make_drafter(lm, "speculative", None, threshold=0.0)

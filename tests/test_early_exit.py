@@ -1,15 +1,14 @@
 """Dynamic early exit: deferred KV fill is exact, tau above 1 is plain decoding, exits only at gates,
 deeper gates ask more with scaled thresholds."""
 
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.early_exit import early_exit_generate, gate_thresholds
+from m2r2_mlx.decoding.generate import PromptCache, generate
+
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
-
-import mlx.core as mx
-
-from m2r2_mlx.adapters import new_m2r2
-from m2r2_mlx.early_exit import early_exit_generate, gate_thresholds
-from m2r2_mlx.generate import PromptCache, generate
 
 from .tiny import tiny_model
 
@@ -36,8 +35,12 @@ def assert_cache_is_full_models(model, cache):
     ref = full_cache(model, cache.tokens)
     for a, b in zip(ref.layers, cache.layers):
         assert b.offset == len(cache.tokens)  # every position filled at every layer
-        np.testing.assert_allclose(np.array(b.keys[..., : b.offset, :]), np.array(a.keys[..., : a.offset, :]), atol=2e-4)
-        np.testing.assert_allclose(np.array(b.values[..., : b.offset, :]), np.array(a.values[..., : a.offset, :]), atol=2e-4)
+        np.testing.assert_allclose(
+            np.array(b.keys[..., : b.offset, :]), np.array(a.keys[..., : a.offset, :]), atol=2e-4
+        )
+        np.testing.assert_allclose(
+            np.array(b.values[..., : b.offset, :]), np.array(a.values[..., : a.offset, :]), atol=2e-4
+        )
 
 
 def test_tau_above_every_probability_is_plain_decoding(lm, tiny_m2r2):
@@ -53,15 +56,35 @@ def mixed(i):  # exits at every depth in turn, and full passes between them
     return [2, 6, None, 4, 2, 2, None, 6][i % 8]
 
 
-@pytest.mark.parametrize("source, schedule, fused", [("m2r2", None, True), ("m2r2", None, False), ("naive", None, True),
-                                                     ("m2r2", mixed, True), ("m2r2", mixed, False), ("naive", mixed, True)])
+@pytest.mark.parametrize(
+    "source, schedule, fused",
+    [
+        ("m2r2", None, True),
+        ("m2r2", None, False),
+        ("naive", None, True),
+        ("m2r2", mixed, True),
+        ("m2r2", mixed, False),
+        ("naive", mixed, True),
+    ],
+)
 def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, schedule, fused):
     model = tiny_m2r2.base
     exits = set()
     for prompt in PROMPTS:
         cache = PromptCache(model)
-        events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, source=source, cache=cache,
-                                          schedule=schedule, max_tokens=16, fused=fused))
+        events = list(
+            early_exit_generate(
+                tiny_m2r2,
+                lm.tokenizer,
+                prompt,
+                tau=0.0,
+                source=source,
+                cache=cache,
+                schedule=schedule,
+                max_tokens=16,
+                fused=fused,
+            )
+        )
         exits |= {e.exit_layer for e in events[1:]}
         assert cache.tokens == prompt + [e.token for e in events[:-1]]
         assert_cache_is_full_models(model, cache)
@@ -89,10 +112,12 @@ def test_scaled_thresholds_price_every_error_the_same():
 
 def test_scaled_tau_asks_more_at_deeper_gates(lm, tiny_m2r2):
     """Gates at 2/4/6 of 8 layers, tau 0.8 at the first: scaled, gate 4 asks 0.867 and gate 6 0.933."""
+
     def run(score_after_first, scaled):
         rule = lambda logits, h, j, trail: 0.0 if j == 0 else score_after_first  # noqa: E731
-        events = early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.8, rule=rule, scaled_tau=scaled,
-                                     max_tokens=8)
+        events = early_exit_generate(
+            tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.8, rule=rule, scaled_tau=scaled, max_tokens=8
+        )
         return {e.exit_layer for e in list(events)[1:]}
 
     assert run(0.85, scaled=False) == {4}
@@ -105,8 +130,11 @@ def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
     model = tiny_m2r2.base
     cache = PromptCache(model)
     schedule = lambda i: 2 if i % 2 else None  # noqa: E731  (odd positions exit at L2, even ones run the full model)
-    events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[1], schedule=schedule, source="naive",
-                                      cache=cache, max_tokens=10))
+    events = list(
+        early_exit_generate(
+            tiny_m2r2, lm.tokenizer, PROMPTS[1], schedule=schedule, source="naive", cache=cache, max_tokens=10
+        )
+    )
     assert [e.exit_layer for e in events[1:]] == [2 if i % 2 else 8 for i in range(1, 10)]
     assert_cache_is_full_models(model, cache)
     # a second turn reuses the cache the first one left (only the new tokens are prefilled)
@@ -118,7 +146,7 @@ def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
 def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m2r2):
     """The fused pass gives the new token the fast state the trainer defines (ParallelKV over the whole
     sequence), also when earlier tokens are still pending in the interval's layers."""
-    from m2r2_mlx.early_exit import EarlyExit
+    from m2r2_mlx.decoding.early_exit import EarlyExit
 
     m, model = tiny_m2r2, tiny_m2r2.base
     (_, g2, g3), prompt = m.config.gates, PROMPTS[2]
@@ -145,8 +173,9 @@ def test_fused_and_unfused_layer_passes(lm, tiny_m2r2, fused):
     """Fused checks never read a layer twice: with tau above 1 (no exit) a token costs L passes;
     the unfused path pays the fast stream's interval on top, for every checked gate."""
     stats = {}
-    events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=1.01, max_tokens=6, stats=stats,
-                                      fused=fused))
+    events = list(
+        early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=1.01, max_tokens=6, stats=stats, fused=fused)
+    )
     steps = len(events) - 1  # the first token comes from the prefill
     extra = 0 if fused else sum(b - a for a, b in tiny_m2r2.config.intervals())
     assert stats["layer_passes"] == steps * (8 + extra)
@@ -155,7 +184,7 @@ def test_fused_and_unfused_layer_passes(lm, tiny_m2r2, fused):
 def test_exit_head_over_a_vocabulary_subset(lm, tiny_m2r2):
     """Checks scored over a subset: exited tokens come from it (the subset's own argmax), a check that never
     exits is plain decoding, and the cache is still the full model's."""
-    from m2r2_mlx.base_model import SubsetHead
+    from m2r2_mlx.models.base_model import SubsetHead
 
     model, parts = tiny_m2r2.base, tiny_m2r2.parts
     ids = list(range(0, lm.config["vocab_size"], 3))[:200]
@@ -170,7 +199,8 @@ def test_exit_head_over_a_vocabulary_subset(lm, tiny_m2r2):
         never = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=1.01, max_tokens=12, exit_head=head))
         assert [e.token for e in never] == plain
         cache = PromptCache(model)
-        always = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, max_tokens=12, exit_head=head,
-                                          cache=cache))
+        always = list(
+            early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, max_tokens=12, exit_head=head, cache=cache)
+        )
         assert all(e.token in ids and e.exit_layer == 2 for e in always[1:])
         assert_cache_is_full_models(model, cache)

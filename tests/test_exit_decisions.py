@@ -5,17 +5,16 @@ import shutil
 import subprocess
 import sys
 
+from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.core.arla import ARLA, ARLARule
+from m2r2_mlx.decoding.early_exit import early_exit_generate
+from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.training.exit_decisions import collect_features, roc_auc, train_exit_decisions
+
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
-
-import mlx.core as mx
-
-from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
-from m2r2_mlx.arla import ARLA
-from m2r2_mlx.early_exit import early_exit_generate
-from m2r2_mlx.exit_decisions import ARLARule, collect_features, roc_auc, train_exit_decisions
-from m2r2_mlx.generate import generate
 
 from .tiny import EosAs, tiny_model
 
@@ -94,8 +93,12 @@ def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
 
 
 def test_negative_exit_vocab_is_one_clear_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.train", "--exit-vocab", "-1", "-o", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "m2r2_mlx.training.train", "--exit-vocab", "-1", "-o", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--exit-vocab must be 0" in r.stderr.strip().splitlines()[-1] and not (tmp_path / "o").exists()
 
@@ -113,20 +116,58 @@ def test_adapters_whose_exit_vocabulary_file_is_missing_are_refused(tiny, tmp_pa
         load_adapters(base, tmp_path / "a")
 
 
+@pytest.mark.slow
 def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     """m2r2-train --stage arla --init: ARLA weights and AUCs land beside the adapters, adapters untouched."""
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 37} and thing{i % 11}." for i in range(3000)))
-    common = [sys.executable, "-m", "m2r2_mlx.train", "--text", str(text), "--seq-len", "64", "--batch-size", "2",
-              "--eval-rows", "2", "--gates", "10,20"]
-    first = subprocess.run([*common, "--steps", "2", "--stage", "adapters", "--rank", "4", "-o", str(tmp_path / "a")],
-                           capture_output=True, text=True, timeout=900)
+    common = [
+        sys.executable,
+        "-m",
+        "m2r2_mlx.training.train",
+        "--text",
+        str(text),
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--eval-rows",
+        "2",
+        "--gates",
+        "10,20",
+    ]
+    first = subprocess.run(
+        [*common, "--steps", "2", "--stage", "adapters", "--rank", "4", "-o", str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
-    r = subprocess.run([*common, "--stage", "arla", "--init", str(tmp_path / "a"), "--arla-rows", "4",
-                        "--arla-steps", "20", "-o", str(tmp_path / "b")], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            *common,
+            "--stage",
+            "arla",
+            "--init",
+            str(tmp_path / "a"),
+            "--arla-rows",
+            "4",
+            "--arla-steps",
+            "20",
+            "-o",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "b" / "m2r2_config.json").read_text())
-    assert cfg["arla"] and cfg["arla_exit_stats"] and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
+    assert (
+        cfg["arla"]
+        and cfg["arla_exit_stats"]
+        and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
+    )
     assert "exit ROC AUC" in r.stderr and (tmp_path / "b" / "draft_vocab.json").is_file()
     vocab = json.loads((tmp_path / "b" / "draft_vocab.json").read_text())["tokens"]
     assert cfg["exit_vocab"] == min(4096, len(vocab))  # ARLA learned on exits over the most frequent tokens
@@ -135,40 +176,90 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     assert any(k.startswith("arla.") for k in b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
+@pytest.mark.slow
 def test_trainer_data_stage_then_widened_first_interval(tmp_path):
     """--stage data writes the rows only; a later run trains on them (--data), widening one interval
     of earlier adapters (--rank) and training it alone (--train-gates): the other interval is untouched."""
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 37} and thing{i % 11}." for i in range(3000)))
-    common = [sys.executable, "-m", "m2r2_mlx.train", "--seq-len", "64", "--batch-size", "2", "--eval-rows", "2",
-              "--gates", "10,20", "--stage", "adapters", "--steps", "2"]
-    r = subprocess.run([*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "-o", str(tmp_path / "d")],
-                       capture_output=True, text=True, timeout=900)
+    common = [
+        sys.executable,
+        "-m",
+        "m2r2_mlx.training.train",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--eval-rows",
+        "2",
+        "--gates",
+        "10,20",
+        "--stage",
+        "adapters",
+        "--steps",
+        "2",
+    ]
+    r = subprocess.run(
+        [*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "-o", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert {f.name for f in (tmp_path / "d").iterdir()} == {"data.npy", "data.mask.npy"}
     rows = str(tmp_path / "d" / "data.npy")
     mask = np.load(tmp_path / "d" / "data.mask.npy")
-    assert mask.shape == np.load(rows).shape and mask.all()  # plain text: every position (its last one, a seam, is in the dropped tail)
+    assert (
+        mask.shape == np.load(rows).shape and mask.all()
+    )  # plain text: every position (its last one, a seam, is in the dropped tail)
     # rows packed before masks were kept get theirs added, the rows themselves untouched
     (tmp_path / "d" / "data.mask.npy").unlink()
     before = (tmp_path / "d" / "data.npy").read_bytes()
-    r = subprocess.run([*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "--resume", "-o",
-                        str(tmp_path / "d")], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "--resume", "-o", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "d" / "data.npy").read_bytes() == before
     assert np.array_equal(np.load(tmp_path / "d" / "data.mask.npy"), mask)
-    first = subprocess.run([*common, "--data", rows, "--rank", "4", "--loss-on", "answers", "-o", str(tmp_path / "a")],
-                           capture_output=True, text=True, timeout=900)
+    first = subprocess.run(
+        [*common, "--data", rows, "--rank", "4", "--loss-on", "answers", "-o", str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     assert "answers and text only" in first.stdout
     # rows without their mask: --loss-on answers says what is missing and how to get it, in one line
     shutil.copy(rows, tmp_path / "bare.npy")
-    r = subprocess.run([*common, "--data", str(tmp_path / "bare.npy"), "--loss-on", "answers", "-o", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [*common, "--data", str(tmp_path / "bare.npy"), "--loss-on", "answers", "-o", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "bare.mask.npy" in r.stderr.strip().splitlines()[-1] and "--stage data" in r.stderr
-    r = subprocess.run([*common, "--data", rows, "--init", str(tmp_path / "a"), "--rank", "8,4", "--train-gates", "10",
-                        "-o", str(tmp_path / "w")], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            *common,
+            "--data",
+            rows,
+            "--init",
+            str(tmp_path / "a"),
+            "--rank",
+            "8,4",
+            "--train-gates",
+            "10",
+            "-o",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "w" / "m2r2_config.json").read_text())
     assert cfg["adapter_rank"] == [8, 4] and cfg["extra"]["recipe"]["train_gates"] == "10"
@@ -181,8 +272,8 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
 
 def test_exit_rule_follows_the_measured_auc(tiny):
     """Early exit uses ARLA only where it separated right from wrong exits better than confidence on average."""
-    from m2r2_mlx.decoders import exit_rule
-    from m2r2_mlx.early_exit import confidence
+    from m2r2_mlx.decoding.decoders import exit_rule
+    from m2r2_mlx.decoding.early_exit import confidence
 
     _, m = tiny
     extra = m.config.extra

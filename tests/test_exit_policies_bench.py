@@ -1,4 +1,4 @@
-"""bench.exit_policies: the replay of an exit rule on fixed scores and labels, and a bad limit is one line."""
+"""experiments.exit_policies: the replay of an exit rule on fixed scores and labels, and a bad limit is one line."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from bench.exit_policies import TARGETS, frontier, patience_odds, replay, with_patience
+from experiments.exit_policies import TARGETS, frontier, patience_odds, replay, with_patience
 
 SAVED_AT = np.array([0.8, 0.4])  # gates at 6 and 18 of 30 layers
 
@@ -45,8 +45,22 @@ def test_patience_exits_past_the_first_gate_only_where_the_previous_gate_agrees(
 def test_zero_questions_per_category_is_one_clear_line(tmp_path):
     questions = tmp_path / "question.jsonl"  # its own file: a fresh clone has no ../shared/specbench
     questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi."]}) + "\n")
-    r = subprocess.run([sys.executable, "-m", "bench.exit_policies", "--questions", str(questions), "--per-category",
-                        "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.exit_policies",
+            "--questions",
+            str(questions),
+            "--per-category",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "at least 1 question per category" in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "exit_policies.md").exists()

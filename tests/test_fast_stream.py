@@ -1,15 +1,17 @@
 """The M2R2 fast stream on tiny models of several architectures."""
 
+from m2r2_mlx.core.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.errors import M2R2Error
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from m2r2_mlx.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
-from m2r2_mlx.errors import M2R2Error
-
-from .tiny import CONFIGS, random_ids as _ids, randomize as _randomize, tiny_model
+from .tiny import CONFIGS, tiny_model
+from .tiny import random_ids as _ids
+from .tiny import randomize as _randomize
 
 ARCHS = list(CONFIGS)
 
@@ -119,7 +121,7 @@ def test_bad_gates_are_refused():
 
 
 def test_short_training_lowers_the_loss():
-    from m2r2_mlx.train import Trainer
+    from m2r2_mlx.training.train import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=16)
@@ -139,7 +141,7 @@ def test_short_training_lowers_the_loss():
 def test_loss_on_scored_positions_is_the_loss_over_those_positions():
     """Scoring the first half of every row equals the loss of the rows cut in half: a fast-stream position sees
     only earlier ones, and the teacher's vocabulary subset is taken over the scored positions alone."""
-    from m2r2_mlx.train import Trainer
+    from m2r2_mlx.training.train import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=16)
@@ -155,7 +157,7 @@ def test_loss_on_scored_positions_is_the_loss_over_those_positions():
 
 
 def test_answer_agreement_scores_only_answer_positions():
-    from m2r2_mlx.evaluate import agreement, answer_agreement
+    from m2r2_mlx.training.evaluate import agreement, answer_agreement
 
     lm = tiny_model("llama")
     m = new_m2r2(lm, gates=[2, 4])
@@ -167,7 +169,7 @@ def test_answer_agreement_scores_only_answer_positions():
 
 
 def test_gate_agreement_under_a_mask_scores_the_masked_positions_alone():
-    from m2r2_mlx.evaluate import gate_agreement
+    from m2r2_mlx.training.evaluate import gate_agreement
 
     lm = tiny_model("llama")
     m = new_m2r2(lm, gates=[2, 4])
@@ -185,7 +187,7 @@ def test_gate_agreement_under_a_mask_scores_the_masked_positions_alone():
 def test_perfect_exit_rule_bound():
     """The bound on any exit rule: with one gate it is that gate's agreement times what an exit there saves;
     a deeper gate only adds; with every token allowed to be wrong, all leave at the first gate."""
-    from m2r2_mlx.evaluate import answer_agreement, oracle_exit_saving
+    from m2r2_mlx.training.evaluate import answer_agreement, oracle_exit_saving
 
     lm = tiny_model("llama")
     one, both = new_m2r2(lm, gates=[2]), new_m2r2(lm, gates=[2, 3])
@@ -203,7 +205,7 @@ def test_perfect_exit_rule_bound():
 
 def test_per_interval_ranks_widen_and_round_trip(tmp_path):
     """One rank per gate interval; widening keeps what trained adapters compute and saves/loads."""
-    from m2r2_mlx.adapters import widen_adapters
+    from m2r2_mlx.core.adapters import widen_adapters
 
     lm = tiny_model("llama")
     m = new_m2r2(lm, gates=[2, 4], rank=4)
@@ -230,7 +232,7 @@ def test_per_interval_ranks_widen_and_round_trip(tmp_path):
 
 
 def test_train_gates_leaves_the_other_intervals_alone():
-    from m2r2_mlx.train import Trainer, train_gate_indices
+    from m2r2_mlx.training.train import Trainer, train_gate_indices
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=8)

@@ -1,14 +1,15 @@
-"""bench.gate_agreement: the comparison table's columns, held-out rows with and without their loss mask, and a
+"""experiments.gate_agreement: the comparison table's columns, held-out rows with and without their loss mask, and a
 missing --rows file is one line, not a traceback."""
 
 import subprocess
 import sys
 
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.training.evaluate import gate_agreement
+
 import numpy as np
 
-from bench.gate_agreement import held_out_results, table
-from m2r2_mlx.adapters import new_m2r2
-from m2r2_mlx.evaluate import gate_agreement
+from experiments.gate_agreement import held_out_results, table
 
 from .tiny import tiny_model
 
@@ -23,7 +24,7 @@ def test_table_adds_the_baseline_column_only_when_measured():
 
 
 def test_missing_rows_file_is_one_clear_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.gate_agreement", "--rows", str(tmp_path / "nope.npy"),
+    r = subprocess.run([sys.executable, "-m", "experiments.gate_agreement", "--rows", str(tmp_path / "nope.npy"),
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "nope.npy not found" in r.stderr.strip().splitlines()[-1]
@@ -51,7 +52,7 @@ def test_held_out_rows_of_several_files_each_keep_their_answer_positions(tmp_pat
 
 
 def test_naive_exit_after_every_layer_matches_the_gates_naive_exits(tmp_path):
-    from m2r2_mlx.evaluate import agreement, naive_agreement_by_layer, row_batches
+    from m2r2_mlx.training.evaluate import agreement, naive_agreement_by_layer, row_batches
 
     base = tiny_model("llama", seed=31, vocab_size=64, num_hidden_layers=6)
     m = new_m2r2(base, gates=[2, 4])
@@ -64,12 +65,12 @@ def test_naive_exit_after_every_layer_matches_the_gates_naive_exits(tmp_path):
 
 
 def test_every_layer_writes_a_table_row_per_layer_and_a_plot(tmp_path):
-    from bench.gate_agreement import every_layer
+    from experiments.gate_agreement import every_layer
 
     base = tiny_model("llama", seed=31, vocab_size=64, num_hidden_layers=6)
     m = new_m2r2(base, gates=[2, 4])
     rows = np.random.default_rng(2).integers(0, 64, size=(2, 12))
-    from m2r2_mlx.evaluate import row_batches
+    from m2r2_mlx.training.evaluate import row_batches
 
     results = {"rows": {"gates": [2, 4], "m2r2": [0.3, 0.6]}}
     md = every_layer(m, {"rows": row_batches(rows)}, results, tmp_path / "naive_by_layer.png")

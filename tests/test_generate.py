@@ -1,11 +1,11 @@
 """Plain decoding on the real default model."""
 
+from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.errors import M2R2Error
+
 import pytest
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm.sample_utils import make_sampler
-
-from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.generate import PromptCache, generate
 
 
 def test_greedy_equals_mlx_lm(lm, france_prompt):
@@ -34,7 +34,9 @@ def test_max_tokens_stops_with_length(lm, france_prompt):
 
 def test_sampling_is_seeded(lm, france_prompt):
     def run(seed):
-        return [e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=12, temperature=1.0, seed=seed)]
+        return [
+            e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=12, temperature=1.0, seed=seed)
+        ]
 
     a, b = run(1), run(1)
     assert a == b
@@ -43,7 +45,10 @@ def test_sampling_is_seeded(lm, france_prompt):
 
 def test_top_p_tiny_is_greedy(lm, france_prompt):
     greedy = [e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=10)]
-    nucleus = [e.token for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=10, temperature=1.0, top_p=1e-6, seed=0)]
+    nucleus = [
+        e.token
+        for e in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=10, temperature=1.0, top_p=1e-6, seed=0)
+    ]
     assert nucleus == greedy
 
 

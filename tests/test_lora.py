@@ -1,13 +1,13 @@
 """The "lora" adapter form: deltas on the base's projections, in the fast stream only."""
 
+from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.errors import M2R2Error
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-
-from m2r2_mlx.adapters import load_adapters, new_m2r2, save_adapters
-from m2r2_mlx.errors import M2R2Error
 
 from .tiny import random_ids, randomize, tiny_model
 
@@ -97,7 +97,7 @@ def test_unknown_or_non_linear_targets_are_refused():
 
 
 def test_lora_form_trains():
-    from m2r2_mlx.train import Trainer
+    from m2r2_mlx.training.train import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=8, lora_targets=["q_proj", "v_proj", "up_proj", "down_proj"])

@@ -5,14 +5,15 @@ import json
 import shutil
 import subprocess
 
+from m2r2_mlx.core.adapters import new_m2r2, save_adapters
+from m2r2_mlx.moe import ExpertStore, Prefetcher, offload_experts
+from m2r2_mlx.moe.fast_predictor import FastStreamPredictor
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from m2r2_mlx.adapters import new_m2r2, save_adapters
-from m2r2_mlx.moe import ExpertStore, Prefetcher, offload_experts
-from m2r2_mlx.moe.fast_predictor import FastStreamPredictor
 from bench.moe_bench import greedy
 from tests.tiny import tiny_model
 
@@ -80,14 +81,22 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((out / "moe_bench.json").read_text())
     methods = {(row["method"], row["budget"]) for row in result["rows"]}
-    assert methods == {("resident", 100.0)} | {(m, b) for m in ("lru", "pregating", "m2r2", "shuffled") for b in (50.0, 25.0)}
+    assert methods == {("resident", 100.0)} | {
+        (m, b) for m in ("lru", "pregating", "m2r2", "shuffled") for b in (50.0, 25.0)
+    }
     assert all(row["same_as_resident"] for row in result["rows"])
-    assert (out / "moe_bench.png").stat().st_size > 0 and "M2R2 ahead-of-time" in (out / "moe_bench_table.md").read_text()
+    assert (out / "moe_bench.png").stat().st_size > 0 and "M2R2 ahead-of-time" in (
+        out / "moe_bench_table.md"
+    ).read_text()
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_bench_moe_bad_input_is_one_line(tmp_path):
-    r = subprocess.run([EXE, "--moe", "--methods", "lru,psychic", "--prompts", str(tmp_path / "none.npy")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [EXE, "--moe", "--methods", "lru,psychic", "--prompts", str(tmp_path / "none.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "psychic" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

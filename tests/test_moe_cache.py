@@ -4,6 +4,21 @@ import json
 import shutil
 import time
 
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.moe import (
+    ExpertStore,
+    Link,
+    Oracle,
+    Prefetcher,
+    PreGating,
+    ShuffledControl,
+    make_policy,
+    moe_blocks,
+    offload_experts,
+    parse_budget,
+)
+from m2r2_mlx.moe.__main__ import main as moe_cli
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -12,10 +27,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.moe import (ExpertStore, Link, Oracle, PreGating, Prefetcher, ShuffledControl, make_policy,
-                          moe_blocks, offload_experts, parse_budget)
-from m2r2_mlx.moe.__main__ import main as moe_cli
 from tests.tiny import tiny_model
 
 PROMPT = list(range(3, 23))  # 20 tokens: the prompt needs more distinct experts than a 25% budget has slots

@@ -6,14 +6,15 @@ import os
 import shutil
 import subprocess
 
+from m2r2_mlx.models.registry import resolve_model_path
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from textual.widgets import Static
 
-from m2r2_mlx.registry import resolve_model_path
-from tests.tiny import tiny_model
 from tests.test_tui import _args, _ask
+from tests.tiny import tiny_model
 from tui.app import ChatApp
 
 EXE = shutil.which("m2r2-chat")
@@ -41,6 +42,7 @@ def _chat(folder, *extra, home):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_budgeted_chat_answers_exactly_as_all_resident(moe_folder, tmp_path):
     full = _chat(moe_folder, home=tmp_path)
@@ -58,13 +60,14 @@ def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_m2r2_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_path):
     """The predictor's layer taps must not break LoRA adapters the decoder loads (names inside layers)."""
-    from mlx.utils import tree_map
+    from m2r2_mlx.core.adapters import new_m2r2, save_adapters
+    from m2r2_mlx.models.registry import load_model
 
-    from m2r2_mlx.adapters import new_m2r2, save_adapters
-    from m2r2_mlx.registry import load_model
+    from mlx.utils import tree_map
 
     lm = load_model(str(moe_folder), tokenizer=False)
     m = new_m2r2(lm, gates=[2], rank=4, lora_targets=["q_proj", "v_proj"])

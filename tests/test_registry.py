@@ -4,10 +4,10 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.registry import ALIASES, load_model, resolve_model_path
+from m2r2_mlx.models.registry import ALIASES, load_model, resolve_model_path
+
+import pytest
 
 
 def test_aliases_name_the_agreed_models():

@@ -1,18 +1,18 @@
 """Self-speculative decoding is lossless: greedy output identical to plain greedy decoding."""
 
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.sampling import Sampling
+from m2r2_mlx.decoding.speculative import speculative_generate
+
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-import mlx.core as mx
-
-from m2r2_mlx.adapters import new_m2r2
-from m2r2_mlx.generate import PromptCache, generate
-from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.sampling import Sampling
-from m2r2_mlx.speculative import speculative_generate
-
-from .tiny import EosAs, random_prompts as _prompts, tiny_model
+from .tiny import EosAs, tiny_model
+from .tiny import random_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,11 @@ def test_cache_after_speculation_matches_plain(lm, tiny_m2r2):
     prompt = _prompts(1, seed=5)[0]
     c1, c2 = PromptCache(model), PromptCache(model)
     list(generate(model, lm.tokenizer, prompt, cache=c1, max_tokens=25))
-    list(speculative_generate(model, lm.tokenizer, prompt, LayerDrafter(tiny_m2r2, 1), cache=c2, max_tokens=25, max_draft=5))
+    list(
+        speculative_generate(
+            model, lm.tokenizer, prompt, LayerDrafter(tiny_m2r2, 1), cache=c2, max_tokens=25, max_draft=5
+        )
+    )
     # the plain loop feeds its last token ahead of time; compare the common positions
     n = min(len(c1), len(c2))
     assert c1.tokens[:n] == c2.tokens[:n] and n >= len(prompt) + 23

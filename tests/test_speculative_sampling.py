@@ -7,18 +7,17 @@ within the sampling noise of N draws; a verifier that skips the rejection step m
 (the test can fail).
 """
 
+import m2r2_mlx.decoding.speculative as speculative
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.decoding.generate import PromptCache
+from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
+from m2r2_mlx.decoding.speculative import speculative_generate
+
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
-
-import mlx.core as mx
-
-import m2r2_mlx.speculative as speculative
-from m2r2_mlx.adapters import new_m2r2
-from m2r2_mlx.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.generate import PromptCache
-from m2r2_mlx.sampling import Sampling, sample_from, sampling_probs
-from m2r2_mlx.speculative import speculative_generate
 
 from .tiny import EosAs, tiny_model
 
@@ -69,6 +68,7 @@ def accept_every_draft(logits, drafts, q, s):  # the bug the test must catch: no
     return len(drafts), sample_from(sampling_probs(logits, s)[len(drafts)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("s", [Sampling(1.0, 1.0), Sampling(0.8, 0.9)], ids=["temp1", "temp0.8-top_p0.9"])
 def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatch):
     model, m2r2, tok = setup
@@ -78,7 +78,11 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
     assert 0.5 * np.abs(calibration - p).sum() < bound  # exact draws pass the bound
 
     # drop_unsure: drafts below 0.3 are dropped, so a kept draft's law is q restricted to {q >= 0.3}
-    for drafter in (LayerDrafter(m2r2, 0), LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True), PromptLookupDrafter()):
+    for drafter in (
+        LayerDrafter(m2r2, 0),
+        LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True),
+        PromptLookupDrafter(),
+    ):
         got = sampled_joint(model, tok, drafter, s)
         tv = 0.5 * np.abs(got - p).sum()
         print(f"{drafter.name}: TV {tv:.3f}, bound {bound:.3f}")

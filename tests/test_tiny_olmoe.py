@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from m2r2_mlx.moe.tiny_olmoe import CONFIG, mlx_weights, moe_losses, torch_model, train  # noqa: E402
+
 from mlx_lm.models import olmoe  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-
-from m2r2_mlx.moe.tiny_olmoe import CONFIG, moe_losses, mlx_weights, torch_model, train  # noqa: E402
 
 TINY = dict(CONFIG, vocab_size=97, hidden_size=64, num_hidden_layers=2, intermediate_size=32,
             num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)

@@ -2,12 +2,12 @@
 
 from pathlib import Path
 
+from m2r2_mlx.core.adapters import load_adapters
+from m2r2_mlx.training.evaluate import gate_agreement
+
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-
-from m2r2_mlx.adapters import load_adapters
-from m2r2_mlx.evaluate import gate_agreement
 
 ADAPTERS = Path(__file__).resolve().parents[1] / "m2r2_mlx" / "trained" / "smollm2"
 TEXT = (

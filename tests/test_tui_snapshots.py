@@ -9,13 +9,14 @@ Update after an intended UI change with: pytest tests/test_tui_snapshots.py --sn
 
 from types import SimpleNamespace
 
+import m2r2_mlx.decoding.generate as generate_module
+from m2r2_mlx.models.blas import BlasInfo
+
 import mlx.core as mx
 import pytest
 from textual.widgets import Input
 
-import m2r2_mlx.generate as generate_module
 import tui.app as app_module
-from m2r2_mlx.blas import BlasInfo
 from tui.app import ChatApp
 from tui.chat import build_parser
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from m2r2_mlx.models.registry import LoadedModel
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
-
-from m2r2_mlx.registry import LoadedModel
 
 COMMON = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=101, rope_theta=10000.0,
@@ -20,7 +20,9 @@ CONFIGS = {
     "phi3": dict(COMMON, model_type="phi3", tie_word_embeddings=False),
     "qwen2": dict(COMMON, model_type="qwen2", tie_word_embeddings=False),
     "olmoe": dict(COMMON, model_type="olmoe", num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
-    "mixtral": dict(COMMON, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "mixtral": dict(
+        COMMON, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+    ),
 }
 
 

@@ -12,21 +12,25 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.models.blas import blas_info
+from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.moe.serve import budget_line
+
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, Label, Sparkline, Static
 
-from m2r2_mlx.blas import blas_info
-from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.stats import AnswerStats
-
-from .chat import generation_options
 from .render import legend, token_text
+from .session import generation_options, make_decoder, make_session
 
-HELP = ("F2 next mode · F3/F4 tau -/+ · /mode plain|speculative|early-exit · /tau X · /regen  answer again · "
-        "/reset  new conversation · /save FILE (/save! FILE overwrites) · /load FILE · /copy  copy last answer · /quit")
+HELP = (
+    "F2 next mode · F3/F4 tau -/+ · /mode plain|speculative|early-exit · /tau X · /regen  answer again · "
+    "/reset  new conversation · /save FILE (/save! FILE overwrites) · /load FILE · /copy  copy last answer · /quit"
+)
 LIVE_MODES = ("plain", "speculative", "early-exit")  # what F2 cycles through
 
 
@@ -107,10 +111,6 @@ class ChatApp(App):
         self.mlx.stop()
 
     def _job_load(self) -> None:
-        from m2r2_mlx.registry import load_model
-
-        from .chat import make_session
-
         try:
             lm = self.lm or load_model(self.args.model)
             self.session = make_session(self.args, lm)
@@ -149,8 +149,6 @@ class ChatApp(App):
 
     def _job_switch(self, old) -> None:
         """Runs on the MLX thread: a new decoder for the same session (history and cache kept)."""
-        from .chat import make_decoder
-
         a = self.args
         try:
             decoder = make_decoder(a, self.lm)
@@ -163,7 +161,9 @@ class ChatApp(App):
 
     def _mode_switched(self) -> None:
         self._show_mode()
-        self.notify(f"mode: {self.args.mode}" + (f" (tau {self.args.tau:.2f})" if self.args.mode == "early-exit" else ""))
+        self.notify(
+            f"mode: {self.args.mode}" + (f" (tau {self.args.tau:.2f})" if self.args.mode == "early-exit" else "")
+        )
 
     def action_next_mode(self) -> None:
         i = LIVE_MODES.index(self.args.mode) if self.args.mode in LIVE_MODES else -1
@@ -190,12 +190,12 @@ class ChatApp(App):
         cache = getattr(self.session, "expert_cache", None)
         if cache is None:
             return ""
-        from m2r2_mlx.moe.serve import budget_line
-
         st = cache.stats
-        return (f"\nexperts hit    {100 * st.hit_rate:7.0f}%\n"
-                f"moved/token   {st.bytes_per_token / 1e6:6.2f} MB\n"
-                f"{budget_line(cache, 16)}")
+        return (
+            f"\nexperts hit    {100 * st.hit_rate:7.0f}%\n"
+            f"moved/token   {st.bytes_per_token / 1e6:6.2f} MB\n"
+            f"{budget_line(cache, 16)}"
+        )
 
     def _update_stats(self, s: AnswerStats) -> None:
         accepted = s.accepted_per_step
@@ -207,10 +207,11 @@ class ChatApp(App):
             f"layers skipped {100 * s.layers_skipped:7.0f}%\n"
             f"peak memory    {s.peak_memory_gb:6.2f} GB\n"
             f"prefill        {s.prefill_tokens:>4d}/{s.prompt_tokens:<4d}\n"
-            f"BLAS           {blas_info().name:>8s}"
-            + self._expert_lines()
+            f"BLAS           {blas_info().name:>8s}" + self._expert_lines()
         )
-        self.query_one("#spark", Sparkline).data = s.exit_layers[-64:]  # empty before the first answer: a blank line, not full bars
+        self.query_one("#spark", Sparkline).data = s.exit_layers[
+            -64:
+        ]  # empty before the first answer: a blank line, not full bars
         hist = s.exit_histogram()
         top = max(hist.values(), default=1)
         self.query_one("#hist", Static).update(
@@ -320,8 +321,10 @@ class ChatApp(App):
                 self.query_one("#log", VerticalScroll).remove_children()
                 for m in self.session.messages:
                     if m["role"] != "system":
-                        self._post(Text(("you › " if m["role"] == "user" else "") + m["content"]),
-                                  "user" if m["role"] == "user" else "assistant")
+                        self._post(
+                            Text(("you › " if m["role"] == "user" else "") + m["content"]),
+                            "user" if m["role"] == "user" else "assistant",
+                        )
                 self._post(f"loaded {Path(arg).name}", "notice")
             elif cmd == "/mode":
                 self.switch_mode(arg)

@@ -11,30 +11,65 @@ import argparse
 import sys
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
+from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
+from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
-from m2r2_mlx.registry import ALIASES, DEFAULT_MODEL
+from m2r2_mlx.models.blas import blas_info
+from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
 
+from .app import ChatApp
+from .session import generation_options, make_session
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-chat", description="Chat with an MLX model; every token is coloured by its exit depth.")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: {DEFAULT_MODEL}, embedded)")
-    p.add_argument("--mode", choices=MODES, default="plain",
-                   help="; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)")
-    p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones for the embedded model)")
-    p.add_argument("--gate", type=int, default=None, help="exit layer that drafts come from (default: the adapters' first gate)")
-    p.add_argument("--draft", type=int, default=DEFAULT_DRAFT,
-                   help=f"most drafted tokens per verification step (default: {DEFAULT_DRAFT})")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"stop drafting when a draft's probability falls below this (default: {DEFAULT_THRESHOLD}; 0 = never)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help=f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} "
-                        "where the adapters have draft_vocab.json; 0 = the full LM head)")
-    p.add_argument("--tau", type=float, default=0.9,
-                   help="early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute "
-                        "they still save (default: 0.9)")
+    p = argparse.ArgumentParser(
+        prog="m2r2-chat", description="Chat with an MLX model; every token is coloured by its exit depth."
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
+             f"{DEFAULT_MODEL}, embedded)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="plain",
+        help="; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)",
+    )
+    p.add_argument(
+        "--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones for the embedded model)"
+    )
+    p.add_argument(
+        "--gate", type=int, default=None, help="exit layer that drafts come from (default: the adapters' first gate)"
+    )
+    p.add_argument(
+        "--draft",
+        type=int,
+        default=DEFAULT_DRAFT,
+        help=f"most drafted tokens per verification step (default: {DEFAULT_DRAFT})",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help=f"stop drafting when a draft's probability falls below this (default: {DEFAULT_THRESHOLD}; 0 = never)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} "
+        "where the adapters have draft_vocab.json; 0 = the full LM head)",
+    )
+    p.add_argument(
+        "--tau",
+        type=float,
+        default=0.9,
+        help="early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute "
+        "they still save (default: 0.9)",
+    )
     p.add_argument("--flat-tau", action="store_true", help="early exit: the same --tau at every gate")
     p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
@@ -42,12 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
-    p.add_argument("--memory-budget", default=None, metavar="B",
-                   help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (default: all)")
-    p.add_argument("--expert-predictor", default="pregating", choices=["pregating", "m2r2", "none"],
-                   help="with --memory-budget: who loads experts ahead of time (m2r2 needs --adapters for the model)")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="with --memory-budget: throttle expert loads to this many GB/s (emulates a discrete GPU)")
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="B",
+        help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (default: all)",
+    )
+    p.add_argument(
+        "--expert-predictor",
+        default="pregating",
+        choices=["pregating", "m2r2", "none"],
+        help="with --memory-budget: who loads experts ahead of time (m2r2 needs --adapters for the model)",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="with --memory-budget: throttle expert loads to this many GB/s (emulates a discrete GPU)",
+    )
     return p
 
 
@@ -68,35 +115,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise M2R2Error(f"--top-p must be in (0, 1] (got {args.top_p})")
 
 
-def generation_options(args: argparse.Namespace) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
-
-
-def make_decoder(args: argparse.Namespace, lm):
-    """The decoder the options name (also when the TUI switches mode or tau)."""
-    from m2r2_mlx.decoders import make_decoder as decoder_for
-
-    return decoder_for(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft, threshold=args.threshold,
-                       draft_vocab=args.draft_vocab, tau=args.tau, scaled_tau=not args.flat_tau)
-
-
-def make_session(args: argparse.Namespace, lm):
-    from m2r2_mlx.chat import ChatSession
-
-    decoder = make_decoder(args, lm)
-    expert_cache = None
-    if args.memory_budget is not None:  # after the decoder: the M2R2 predictor wraps the layers, which would
-        from m2r2_mlx.moe.serve import serve_with_budget  # rename the projections LoRA adapters attach to
-
-        expert_cache = serve_with_budget(lm, args.memory_budget, predictor=args.expert_predictor,
-                                         adapters=args.adapters, link_gbps=args.link_gbps)
-    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder, expert_cache=expert_cache)
-
-
 def one_shot(args: argparse.Namespace) -> int:
-    from m2r2_mlx.blas import blas_info
-    from m2r2_mlx.registry import load_model
-    from m2r2_mlx.stats import AnswerStats
 
     lm = load_model(args.model)
     session = make_session(args, lm)
@@ -120,13 +139,9 @@ def _main() -> int:
     check_args(args)
     if args.prompt is not None:
         return one_shot(args)
-    from m2r2_mlx.registry import resolve_model_path
-
     resolve_model_path(args.model)  # bad names fail here with one line; a first import shows progress
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise M2R2Error('no terminal to draw the chat in; pass --prompt "..." for a one-shot answer')
-    from tui.app import ChatApp
-
     ChatApp(args).run()
     return 0
 

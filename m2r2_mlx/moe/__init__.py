@@ -11,7 +11,7 @@ from .cache import ExpertCache, parse_budget, resolve_slots
 from .link import Link
 from .offload import CachedSwitchGLU, offload_experts
 from .policies import LFU, LRU, make_policy
-from .predictors import Oracle, PreGating, Predictor, ShuffledControl
+from .predictors import Oracle, Predictor, PreGating, ShuffledControl
 from .prefetch import Prefetcher
 from .stats import CacheStats, LayerStats
 from .store import ExpertStore

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
-
 import argparse
 import sys
 
+import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
+
 from ..errors import run_cli
+from ..models.registry import load_model
+from .store import ExpertStore
 
 PROG = "python -m m2r2_mlx.moe"
 
@@ -28,11 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> None:
-        from .store import ExpertStore
-
         if args.command == "export":
-            from ..registry import load_model
-
             model = load_model(args.model, tokenizer=False).model  # lazy: read one layer at a time
             store = ExpertStore.export(model, args.out, force=args.force)
         else:

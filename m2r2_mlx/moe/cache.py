@@ -210,7 +210,8 @@ class ExpertCache:
         """Make ``experts`` (at most S of them) resident in ``layer``; never evicts one of them."""
         needed = list(dict.fromkeys(int(e) for e in experts))
         if len(needed) > self.slots_per_layer[layer]:
-            raise ValueError(f"{len(needed)} experts asked for at once, layer {layer} has {self.slots_per_layer[layer]} slots")
+            raise ValueError(f"{len(needed)} experts asked for at once, layer {layer} has "
+                             f"{self.slots_per_layer[layer]} slots")
         start = time.perf_counter()
         st = self.stats.layer(layer)
         self._protected = (layer, set(needed))

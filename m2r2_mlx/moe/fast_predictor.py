@@ -25,8 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..core.fast_stream import M2R2Model, SlowKVView
 from ..errors import M2R2Error
-from ..fast_stream import M2R2Model, SlowKVView
 from .blocks import moe_blocks
 from .cache import ExpertCache
 
@@ -76,7 +76,9 @@ class FastStreamPredictor:
     def attach(self, cache: ExpertCache) -> "FastStreamPredictor":
         missing = [l for l in cache.layers if l not in cache.routers]
         if missing:
-            raise M2R2Error(f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose")
+            raise M2R2Error(
+                f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose"
+            )
         if any(isinstance(layer, _GateTap) for layer in self.parts.layers):
             raise M2R2Error("this model already has an M2R2 expert predictor attached")
         self.cache = cache

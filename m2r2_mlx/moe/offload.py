@@ -75,12 +75,20 @@ def _check_matches(store: ExpertStore, layer: int, prefix: str, params: dict[str
     want = {f"{store.prefix(layer)}.{p['name']}": (p["shape"], mlx_dtype(p["dtype"])) for p in store.params(layer)}
     num = next(iter(params.values())).shape[0]
     if have != want or num != store.num_experts(layer):
-        raise M2R2Error(f"the expert store in {store.folder} does not match this model at layer {layer} "
-                        f"({store.num_experts(layer)} experts {want} vs {num} experts {have}); export it from this model")
+        raise M2R2Error(
+            f"the expert store in {store.folder} does not match this model at layer {layer} "
+            f"({store.num_experts(layer)} experts {want} vs {num} experts {have}); export it from this model"
+        )
 
 
-def offload_experts(model, store: ExpertStore | str | Path, budget: float | int | str = 1.0, *,
-                    policy: str = "lru", link: Link | None = None) -> ExpertCache:
+def offload_experts(
+    model,
+    store: ExpertStore | str | Path,
+    budget: float | int | str = 1.0,
+    *,
+    policy: str = "lru",
+    link: Link | None = None,
+) -> ExpertCache:
     """Serve every MoE layer's experts from ``store`` through an ExpertCache within ``budget``.
 
     The model's own expert tensors are dropped (their memory is freed once nothing else holds
@@ -92,8 +100,10 @@ def offload_experts(model, store: ExpertStore | str | Path, budget: float | int 
     if any(isinstance(block.switch_mlp, CachedSwitchGLU) for _, block in blocks):
         raise M2R2Error("this model's experts are already offloaded to an expert cache")
     if [i for i, _ in blocks] != store.layers:
-        raise M2R2Error(f"the expert store in {store.folder} has MoE layers {store.layers}, this model "
-                        f"{[i for i, _ in blocks]}; export it from this model")
+        raise M2R2Error(
+            f"the expert store in {store.folder} has MoE layers {store.layers}, this model "
+            f"{[i for i, _ in blocks]}; export it from this model"
+        )
     for i, block in blocks:
         _check_matches(store, i, module_path(model, block.switch_mlp), expert_params(block.switch_mlp))
     cache = ExpertCache(store, budget, policy=policy, link=link)

@@ -59,7 +59,9 @@ class PreGating(Predictor):
     def attach(self, cache: ExpertCache) -> "PreGating":
         missing = [l for l in cache.layers if l not in cache.routers]
         if missing:
-            raise M2R2Error(f"pre-gating needs the routers of MoE layers {missing}, which this model's blocks do not expose")
+            raise M2R2Error(
+                f"pre-gating needs the routers of MoE layers {missing}, which this model's blocks do not expose"
+            )
         return super().attach(cache)
 
     def predict(self, layer: int, x: mx.array) -> list[int]:

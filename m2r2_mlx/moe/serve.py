@@ -11,10 +11,12 @@ import hashlib
 import sys
 from pathlib import Path
 
+from ..core.adapters import load_adapters
 from ..errors import M2R2Error
-from ..registry import LoadedModel, cache_home
+from ..models.registry import LoadedModel, cache_home
 from .blocks import moe_blocks
 from .cache import ExpertCache, parse_budget
+from .fast_predictor import FastStreamPredictor
 from .link import Link
 from .offload import offload_experts
 from .predictors import PreGating, ShuffledControl
@@ -46,7 +48,6 @@ def serve_with_budget(lm: LoadedModel, budget: str, *, predictor: str = "pregati
     if predictor == "m2r2":
         if adapters is None:
             raise M2R2Error("--expert-predictor m2r2 needs --adapters trained on this model")
-        from ..adapters import load_adapters
 
         m2r2 = load_adapters(lm, adapters)
     folder = store_folder(lm)
@@ -68,7 +69,6 @@ def attach_predictor(cache: ExpertCache, predictor: str, m2r2=None, intervals: i
         return PreGating().attach(cache)
     if predictor == "shuffled":
         return ShuffledControl(seed=0).attach(cache)
-    from .fast_predictor import FastStreamPredictor
 
     return FastStreamPredictor(m2r2, intervals=intervals).attach(cache)
 

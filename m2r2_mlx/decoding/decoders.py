@@ -1,0 +1,131 @@
+"""Decoding strategies by name, behind one call shape: ``decode(prompt, cache=, context_length=, **options)``."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..core.adapters import load_adapters, new_m2r2
+from ..core.arla import ARLARule
+from ..core.config import M2R2Config
+from ..core.draft_vocab import FILE, load_draft_vocab
+from ..errors import M2R2Error
+from ..models.registry import DEFAULT_MODEL
+from .drafters import LayerDrafter, PromptLookupDrafter
+from .early_exit import confidence, early_exit_generate
+from .generate import TokenEvent, generate
+from .speculative import speculative_generate
+
+MODES = ("plain", "speculative", "early-exit", "layerskip", "lookup")
+MODE_HELP = {
+    "plain": "plain decoding",
+    "early-exit": "lossy dynamic early exit: a token leaves at the first gate whose exit score reaches --tau",
+    "speculative": "lossless self-speculative decoding, M2R2 fast-stream drafts",
+    "layerskip": "lossless self-speculative decoding, drafts from the slow state's naive exit (no adapters)",
+    "lookup": "lossless prompt-lookup decoding (drafts copied from the context)",
+}
+PACKAGED_ADAPTERS = Path(__file__).resolve().parents[1] / "trained"
+# Chosen by measurement on SmolLM2-135M (docs/speculative_sweep.md): the first gate, short drafts cut at
+# 0.4 confidence, and a draft head over the 4,096 most frequent tokens.
+DEFAULT_DRAFT, DEFAULT_THRESHOLD, DEFAULT_DRAFT_VOCAB = 3, 0.4, 4096
+
+Decoder = Callable[..., Iterator[TokenEvent]]
+
+
+def packaged_adapters(model_name: str | None) -> Path | None:
+    """Adapters that ship with m2r2 for a model alias (today: the embedded smollm2)."""
+    folder = PACKAGED_ADAPTERS / (model_name or DEFAULT_MODEL).lower()
+    return folder if (folder / "m2r2_config.json").is_file() else None
+
+
+def adapters_folder(lm, adapters: str | Path | None = None, mode: str = "this mode") -> Path:
+    """The given adapters folder, else the packaged one for the model; one clear line if there is none."""
+    folder = adapters or packaged_adapters(lm.name)
+    if folder is None:
+        raise M2R2Error(f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR (train them with m2r2-train)")
+    return Path(folder)
+
+
+def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
+    return load_adapters(lm, adapters_folder(lm, adapters, mode))
+
+
+def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, threshold: float = DEFAULT_THRESHOLD,
+                 draft_vocab: int | None = None, drop_unsure: bool = False):
+    """``draft_vocab``: None = the default size where the adapters have a draft_vocab.json, 0 = the full head;
+    ``drop_unsure``: drop the draft that fell below ``threshold`` instead of verifying it."""
+    if mode == "lookup":
+        return PromptLookupDrafter()
+    if mode == "layerskip":  # no adapters run; an adapters folder only lends its default gate and draft vocabulary
+        folder = Path(adapters) if adapters else packaged_adapters(lm.name)
+        gate = gate or (M2R2Config.load(folder).gates[0] if folder else max(1, lm.num_layers // 5))
+        if not 1 <= gate < lm.num_layers:
+            raise M2R2Error(f"gate {gate} must be a layer count in 1..{lm.num_layers - 1}")
+        m2r2 = new_m2r2(lm, gates=[gate])
+    else:
+        folder = adapters_folder(lm, adapters, f"mode {mode!r}")
+        m2r2 = load_m2r2(lm, folder)
+        gate = m2r2.config.gates[0] if gate is None else gate
+        if gate not in m2r2.config.gates:
+            raise M2R2Error(f"gate {gate} is not one of the adapters' gates {m2r2.config.gates}")
+
+    if draft_vocab is None:  # the default: use the trimmed head when the adapters ship one
+        draft_vocab = DEFAULT_DRAFT_VOCAB if folder is not None and (Path(folder) / FILE).is_file() else 0
+    vocab = None
+    if draft_vocab:
+        if folder is None:
+            raise M2R2Error("--draft-vocab needs an adapters folder with draft_vocab.json")
+        vocab = load_draft_vocab(folder, draft_vocab)
+    return LayerDrafter(m2r2, m2r2.config.gates.index(gate), threshold=threshold, vocab=vocab,
+                        adapters=mode == "speculative", drop_unsure=drop_unsure)
+
+
+def exit_rule(m2r2):
+    """ARLA when the adapters carry it and it separated right from wrong exits better than max-softmax
+    confidence on the trainer's held-out tokens (mean ROC AUC over gates); else confidence."""
+    auc = m2r2.config.extra.get("exit_auc", {}).get("auc", {})
+    if getattr(m2r2, "arla", None) is None:
+        return confidence
+    if auc and sum(auc.get("arla", [0])) < sum(auc.get("confidence", [0])):
+        return confidence
+    return ARLARule(m2r2.arla)
+
+
+def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
+                 gate: int | None = None, max_draft: int = DEFAULT_DRAFT, threshold: float = DEFAULT_THRESHOLD,
+                 draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9,
+                 scaled_tau: bool = True) -> Decoder:
+    """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
+
+    ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first);
+    ``threshold`` stops a draft early when its confidence falls below it; ``draft_vocab`` scores
+    drafts over the model's N most frequent tokens only (None: the default where available, 0: all); ``tau`` is
+    early exit's threshold at the first gate, deeper gates asking more unless ``scaled_tau`` is False
+    (early_exit.gate_thresholds).
+    """
+    if mode == "plain":
+        return partial(generate, lm.model, lm.tokenizer)
+    if mode not in MODES:
+        raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if mode == "early-exit":
+        m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
+        decode = partial(
+            early_exit_generate,
+            m2r2,
+            lm.tokenizer,
+            tau=tau,
+            rule=exit_rule(m2r2),
+            exit_head=m2r2.exit_head,
+            scaled_tau=scaled_tau,
+        )
+        decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
+        return decode
+
+    drafter = make_drafter(
+        lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab, drop_unsure=drop_unsure
+    )
+    decode = partial(speculative_generate, lm.model, lm.tokenizer, drafter=drafter, max_draft=max_draft)
+    decode.exit_layers = sorted({drafter.exit_layer, lm.num_layers})  # for legends: where tokens can come from
+    decode.drafter = drafter
+    return decode

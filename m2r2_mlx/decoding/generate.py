@@ -1,0 +1,251 @@
+"""Plain autoregressive decoding: the reference every M2R2 method is measured against.
+
+``generate`` yields one ``TokenEvent`` per token. The loop is mlx-lm's: the
+next step's graph is built and handed to ``mx.async_eval`` before the current
+token is read back, so Python overhead overlaps with compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from ..errors import M2R2Error
+from ..models.base_model import BaseParts
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # the new piece of text (may be "" while a multi-byte character is pending)
+    index: int  # position in the answer, 0-based
+    exit_layer: int  # layers this token's prediction used (num_layers for plain decoding)
+    num_layers: int
+    drafted: bool  # came from an accepted draft (speculative decoding)
+    prompt_tokens: int  # tokens in the whole prompt
+    prefill_tokens: int  # of those, how many were computed (the rest came from the cache)
+    prompt_time_s: float
+    token_time_s: float  # wall time since the previous event
+    elapsed_s: float  # wall time since the first token
+    peak_memory_gb: float
+    finish_reason: str | None = None  # "stop" (end of sequence) or "length" on the last event
+    eos: bool = False  # the end-of-sequence token itself (text is "")
+
+
+class PromptCache:
+    """The model's KV cache together with the exact token ids it holds.
+
+    Knowing the tokens lets a new prompt reuse the longest common prefix: only the
+    rest is prefilled, and a divergent tail (an edited or regenerated turn) is trimmed.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = make_prompt_cache(model)
+        # Entries may be lazy 0-d arrays (a sampled token fed back before it is read,
+        # so the decode loop never waits); they are resolved on first access.
+        self._tokens: list[int | mx.array] = []
+        # Keep each forward's final residual states (``states``, (T, D): the final norm's input), for
+        # drafters and exit rules that read the previous position's deepest state (a context feature).
+        self.keep_states = False
+        self.states: mx.array | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        self._tokens = [t if isinstance(t, int) else int(t.item()) for t in self._tokens]
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @cached_property
+    def parts(self) -> BaseParts:
+        """The model's embedding, layers and head, for the state-keeping forward (built once, when first needed)."""
+        return BaseParts(self.model)
+
+    def record(self, token: int) -> None:
+        """Note a token whose K/V a strategy writes into ``layers`` itself (early exit's layer-by-layer walk)."""
+        self._tokens.append(token)
+
+    def trim(self, n: int) -> None:
+        if n <= 0:
+            return
+        if not can_trim_prompt_cache(self.layers):
+            raise M2R2Error(
+                "this model's KV cache cannot be trimmed (rotating or recurrent cache); /reset the conversation"
+            )
+        trim_prompt_cache(self.layers, n)
+        del self._tokens[-n:]
+        # states[-1] stays the last position's: what a drafter reads after verification trimmed the rejected
+        self.states = self.states[:-n] if self.states is not None and n < self.states.shape[0] else None
+
+    def reset(self) -> None:
+        self.layers = make_prompt_cache(self.model)
+        self._tokens = []
+        self.states = None
+
+    def tokens_to_prefill(self, prompt: Sequence[int]) -> list[int]:
+        """Trim the cache to its common prefix with ``prompt``; return the tokens still to compute.
+
+        At least one token is always left to compute, since its logits start the answer.
+        """
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)
+        if len(self.tokens) > common:
+            if can_trim_prompt_cache(self.layers):
+                self.trim(len(self.tokens) - common)
+            else:
+                self.reset()
+                common = 0
+        return list(prompt[common:])
+
+    def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
+        """Run the model on new tokens at the end of the cache; returns logits (T, vocab)."""
+        if isinstance(tokens, mx.array):
+            ids = tokens
+            self._tokens.extend(tokens[i] for i in range(tokens.size))
+        else:
+            ids = mx.array(tokens)
+            self._tokens.extend(int(t) for t in tokens)
+        if not self.keep_states:
+            return self.model(ids[None], cache=self.layers)[0]
+        # the model's own forward, split where its final residual shows: the same operations, the same logits
+        parts = self.parts
+        h = parts.embed(ids[None])
+        h = parts.run_layers(h, 0, parts.num_layers, parts.mask(h, self.layers[0]), self.layers)
+        self.states = h[0]
+        return parts.head(h)[0]
+
+
+def prefill(cache: PromptCache, tokens: Sequence[int]) -> mx.array:
+    """Compute ``tokens`` into the cache in chunks; return the last position's logits."""
+    tokens = list(tokens)
+    while len(tokens) > PREFILL_CHUNK:
+        cache.forward(tokens[:PREFILL_CHUNK])
+        mx.eval([c.state for c in cache.layers])
+        tokens = tokens[PREFILL_CHUNK:]
+    return cache.forward(tokens)[-1]
+
+
+def check_context(prompt_len: int, context_length: int) -> None:
+    if prompt_len >= context_length:
+        raise M2R2Error(
+            f"the prompt is {prompt_len} tokens but the model's context holds {context_length}; "
+            "shorten it or start a new conversation (/reset)"
+        )
+
+
+class EventStream:
+    """Turns decoded token ids into TokenEvents: text pieces, timings, finish reasons.
+
+    Shared by every decoding strategy so that their events and statistics agree.
+    """
+
+    def __init__(self, tokenizer, num_layers: int, prompt_len: int, prefill_len: int, max_tokens: int, tic: float):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.num_layers, self.prompt_len, self.prefill_len = num_layers, prompt_len, prefill_len
+        self.max_tokens, self.tic = max_tokens, tic
+        self.n = 0
+        self.prompt_time = self.first = self.last = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.n >= self.max_tokens
+
+    def event(self, token: int, exit_layer: int | None = None, drafted: bool = False) -> TokenEvent:
+        now = time.perf_counter()
+        if self.n == 0:
+            self.prompt_time, self.first, self.last = now - self.tic, now, now
+        eos = token in self.eos_ids
+        if not eos:
+            self.detok.add_token(token)
+        last = eos or self.n + 1 == self.max_tokens
+        if last:
+            self.detok.finalize()
+        ev = TokenEvent(
+            token=token,
+            text=self.detok.last_segment,
+            index=self.n,
+            exit_layer=self.num_layers if exit_layer is None else exit_layer,
+            num_layers=self.num_layers,
+            drafted=drafted,
+            prompt_tokens=self.prompt_len,
+            prefill_tokens=self.prefill_len,
+            prompt_time_s=self.prompt_time,
+            token_time_s=now - self.last,
+            elapsed_s=now - self.first,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            finish_reason="stop" if eos else ("length" if last else None),
+            eos=eos,
+        )
+        self.n += 1
+        self.last = now
+        return ev
+
+
+def start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length, keep_states: bool = False):
+    """Shared set-up: context check, cache reuse and prefill. Returns (cache, logits, events).
+    ``keep_states``: the cache keeps each forward's final residual states (PromptCache.states)."""
+    cache = cache if cache is not None else PromptCache(model)
+    cache.keep_states, cache.states = keep_states, None
+    if context_length:
+        check_context(len(prompt), context_length)
+        max_tokens = min(max_tokens, context_length - len(prompt))
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    feed = cache.tokens_to_prefill(prompt)
+    logits = prefill(cache, feed)
+    events = EventStream(tokenizer, len(model.layers), len(prompt), len(feed), max_tokens, tic)
+    return cache, logits, events
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: Sequence[int],
+    *,
+    cache: PromptCache | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    context_length: int | None = None,
+) -> Iterator[TokenEvent]:
+    """Decode greedily (temperature 0) or by sampling; one event per token."""
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(temp=temperature, top_p=top_p)
+
+    def sample(logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs[None])[0]
+
+    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length)
+    y = sample(logits)
+    mx.async_eval(y)
+    while True:
+        next_y = None
+        if events.n + 1 < events.max_tokens:
+            next_y = sample(cache.forward(y[None])[-1])  # builds the next step before reading y
+            mx.async_eval(next_y)
+        ev = events.event(y.item())
+        yield ev
+        if ev.finish_reason:
+            return
+        if events.n % 256 == 0:
+            mx.clear_cache()
+        y = next_y

@@ -1,0 +1,79 @@
+"""Running statistics over a stream of TokenEvents (shared by the chat, its one-shot mode and benchmarks)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .generate import TokenEvent
+
+
+@dataclass
+class AnswerStats:
+    num_layers: int = 0
+    tokens: int = 0  # answer tokens, end-of-sequence excluded
+    drafted: int = 0
+    exit_layers: list[int] = field(default_factory=list)
+    computed_layers: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    prompt_time_s: float = 0.0
+    elapsed_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per full-model step, after the prefill's token
+    _run: int = 0
+
+    def add(self, ev: TokenEvent) -> None:
+        # A step yields its accepted drafts, then the full model's own token (the end-of-sequence may be either).
+        if ev.index > 0:
+            self._run += 1
+            if not ev.drafted or ev.finish_reason:
+                self.accept_lengths.append(self._run)
+                self._run = 0
+        self.num_layers = ev.num_layers
+        self.prompt_tokens, self.prefill_tokens, self.prompt_time_s = (
+            ev.prompt_tokens,
+            ev.prefill_tokens,
+            ev.prompt_time_s,
+        )
+        self.elapsed_s = ev.elapsed_s
+        self.peak_memory_gb = max(self.peak_memory_gb, ev.peak_memory_gb)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        if ev.eos:
+            return
+        self.tokens += 1
+        self.drafted += ev.drafted
+        self.exit_layers.append(ev.exit_layer)
+        # a drafted token is still verified by every layer: it saves no layer compute
+        self.computed_layers += ev.num_layers if ev.drafted else ev.exit_layer
+
+    @property
+    def tokens_per_s(self) -> float:
+        # the first token is the prefill's; decode rate counts the ones after it
+        return (self.tokens - 1) / self.elapsed_s if self.tokens > 1 and self.elapsed_s > 0 else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Mean tokens per full-model step: 1.00 for plain decoding; accepted drafts add to it."""
+        if not self.accept_lengths:
+            return 1.0 if self.tokens else 0.0
+        return sum(self.accept_lengths) / len(self.accept_lengths)
+
+    @property
+    def layers_skipped(self) -> float:
+        if not self.tokens or not self.num_layers:
+            return 0.0
+        return 1.0 - self.computed_layers / (self.tokens * self.num_layers)
+
+    def exit_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.exit_layers).items()))
+
+    def summary(self) -> str:
+        hist = " ".join(f"L{layer}x{n}" for layer, n in self.exit_histogram().items()) or "-"
+        return (
+            f"{self.tokens} tokens, {self.tokens_per_s:.1f} tok/s, {self.accepted_per_step:.2f} tokens/step, prefill "
+            f"{self.prefill_tokens}/{self.prompt_tokens} tokens "
+            f"in {self.prompt_time_s:.2f}s, exit depth [{hist}] of {self.num_layers} layers, "
+            f"{100 * self.layers_skipped:.0f}% layers skipped, peak {self.peak_memory_gb:.2f} GB"
+        )

