@@ -1,4 +1,9 @@
-"""Training data: plain text files and self-distilled chat answers, as fixed-length token rows."""
+"""Training data: plain text files and self-distilled chat answers, as fixed-length token rows.
+
+Its formats (prompt files, answer logs, packed rows and loss masks) are shared with the PyTorch trainer
+(m2r2_torch), which runs where mlx may not be installed: this module imports mlx-lm only inside
+``generate_batch``, the one function that generates with it.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,14 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from mlx_lm.generate import BatchGenerator
+from tqdm.auto import tqdm
 
+from ..atomic import atomic_save_npy
 from ..errors import M2R2Error
+
+DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
+# beside it, data.mask.npy (mask_path): the positions that predict an answer or text token
+DISTILL_LOG = "distilled.jsonl"  # answers as they finish, for resuming an interrupted self-distillation
 
 
 def read_text_files(paths: list[str | Path]) -> list[str]:
@@ -111,6 +121,8 @@ def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, sampler=Non
     when the reason is "stop"; ``sampler`` None is greedy. Closing the iterator early stops generation."""
     if not prompts:
         return
+    # here, not at the top: the data formats above must import without mlx (the PyTorch trainer's machines)
+    from mlx_lm.generate import BatchGenerator
 
     eos = lm.tokenizer.eos_token_ids
     gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in eos], sampler=sampler, completion_batch_size=batch_size,
@@ -129,19 +141,23 @@ def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, sampler=Non
 
 
 def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: Path | None = None,
-                 batch_size: int = 96, progress=None) -> list[Transcript]:
+                 batch_size: int = 96, progress=None, generate=None) -> list[Transcript]:
     """The base model's own greedy answers to every user turn, as chat transcripts.
 
     Turn t of a conversation is answered with the earlier turns and answers in its
     context, templated as the chat app templates its history. Each transcript ends with
     the last answer's exact generated token ids (plus end-of-sequence when it stopped by
     itself). Generation batches continuously (mlx-lm's BatchGenerator); ``log_path``
-    keeps finished answers so that a rerun skips them.
+    keeps finished answers so that a rerun skips them. ``generate(prompts, max_tokens)``, yielding
+    (prompt index, tokens, finish reason) as generate_batch does, replaces mlx-lm's generation (the
+    PyTorch trainer's); ``lm.tokenizer`` gives eos_token_ids, apply_chat_template (token ids) and decode.
     """
     tok = lm.tokenizer
     log = DistillLog(log_path)
     eos = set(tok.eos_token_ids)
     transcripts: list[Transcript | None] = [None] * len(conversations)
+    if generate is None:
+        generate = lambda prompts, n: generate_batch(lm, prompts, n, batch_size=batch_size)
 
     def messages(i: int, upto: int) -> list[dict]:
         msgs = []
@@ -158,7 +174,7 @@ def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: 
         pending = [i for i in todo if (i, turn) not in log.done]
         if progress:
             progress(len(todo) - len(pending))
-        for k, answer, _ in generate_batch(lm, [prompts[i] for i in pending], max_tokens, batch_size=batch_size):
+        for k, answer, _ in generate([prompts[i] for i in pending], max_tokens):
             log.add(pending[k], turn, answer)  # a stop token is kept: the transcript ends with it
             if progress:
                 progress(1)
@@ -166,3 +182,62 @@ def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: 
             if len(conversations[i]) == turn + 1:
                 transcripts[i] = Transcript(list(prompts[i]) + list(log.done[(i, turn)]), len(prompts[i]))
     return transcripts
+
+
+def load_rows(args, lm, out: Path, generate=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy, or given by --data),
+    and their loss mask (pack_loss_mask; cached beside them), None where there is none. ``args``: a trainer's
+    data, text, prompts, answer_tokens, seq_len and seed; ``generate``: as for self_distill."""
+    if args.data:
+        path = Path(args.data)
+        if not path.is_file():
+            raise M2R2Error(f"--data {path} not found; pass the data.npy of an earlier m2r2-train output folder")
+        try:
+            rows = np.load(path)
+        except ValueError:
+            raise M2R2Error(f"--data {path} is not a .npy array of token rows; pass an earlier data.npy") from None
+        if rows.ndim != 2 or rows.shape[1] != args.seq_len or not np.issubdtype(rows.dtype, np.integer):
+            raise M2R2Error(
+                f"--data {path} holds {rows.dtype} rows of shape {rows.shape}, not token ids (N, {args.seq_len}); "
+                "match --seq-len"
+            )
+        return rows, _load_mask(mask_path(path), rows.shape)
+    cache = out / DATA_CACHE
+    if cache.is_file() and (mask_path(cache).is_file() or not (args.text or args.prompts)):
+        rows = np.load(cache)
+        return rows, _load_mask(mask_path(cache), rows.shape)
+    seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
+    scored_from = [0] * len(seqs)  # plain text: every next token
+    if args.prompts:
+        conversations = read_prompts(args.prompts)
+        if conversations:
+            with tqdm(total=sum(map(len, conversations)), desc="self-distilling answers", unit="answer") as bar:
+                # answers are logged as they finish: an interrupted run resumes here without losing them
+                transcripts = self_distill(lm, conversations, args.answer_tokens, log_path=out / DISTILL_LOG,
+                                           progress=bar.update, generate=generate)
+            seqs += [t.tokens for t in transcripts]
+            # the last answer only: the loss skips prompt and template
+            scored_from += [t.prompt_len for t in transcripts]
+    if not seqs:
+        raise M2R2Error("no training data: pass --text FILE... and/or --prompts FILE.jsonl (with prompts in it)")
+    rows, mask = pack_rows(seqs, args.seq_len), pack_loss_mask(seqs, scored_from, args.seq_len)
+    order = np.random.default_rng(args.seed).permutation(len(rows))
+    rows, mask = rows[order], mask[order]
+    if cache.is_file():  # rows packed before masks were kept: add their mask, never replace them
+        if not np.array_equal(np.load(cache), rows):
+            raise M2R2Error(
+                f"{cache} holds other rows than --text/--prompts give; use another -o, or --force to rebuild"
+            )
+    else:
+        atomic_save_npy(cache, rows)
+    atomic_save_npy(mask_path(cache), mask)
+    return rows, mask
+
+
+def _load_mask(path: Path, shape: tuple) -> np.ndarray | None:
+    if not path.is_file():
+        return None
+    mask = np.load(path)
+    if mask.shape != shape or mask.dtype != bool:
+        raise M2R2Error(f"{path} is not a boolean loss mask of shape {shape}; rebuild the rows with --stage data")
+    return mask

@@ -21,13 +21,10 @@ import re
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_text
 from ..errors import M2R2Error, run_cli
-from ..models.registry import load_model
 from .data import generate_batch
 
 SENTINEL = "\u241fM2R2-QUERY\u241f"  # a string no chat template produces, to find where the user's text goes
@@ -101,15 +98,18 @@ def sample_requests(
     overlap: int = 8,
     batch_size: int = 64,
     progress=None,
+    generate=None,
 ) -> tuple[list[str], dict[str, int]]:
     """``n`` distinct user requests sampled from the pre-query template; returns them and the drop counts.
+    ``generate(prompts, max_tokens)``, yielding (index, tokens, finish reason) as data.generate_batch does,
+    samples instead of mlx-lm (the PyTorch trainer's, at its own temperature and top-p).
 
     Gives up with one clear line after ``20 * n`` samples, as a model that does not end its requests (a base
     model, or a template it was not tuned on) would otherwise be sampled forever."""
     tok = lm.tokenizer
     prefix = pre_query_tokens(tok)
-    sampler = make_sampler(temperature, top_p)
-    mx.random.seed(seed)
+    if generate is None:
+        generate = mlx_sampling(lm, temperature, top_p, seed, batch_size)
     kept, seen, dropped = [], set(), {"unfinished": 0, "length": 0, "duplicate": 0, "evaluation overlap": 0}
     while len(kept) < n:
         if sum(dropped.values()) + len(kept) >= 20 * n:
@@ -118,9 +118,7 @@ def sample_requests(
                 f"({', '.join(f'{k} {v}' for k, v in dropped.items())}); raise --max-tokens, "
                 "or use an instruction-tuned model"
             )
-        for _, ids, reason in generate_batch(
-            lm, [prefix] * batch_size, max_tokens, sampler=sampler, batch_size=batch_size
-        ):
+        for _, ids, reason in generate([prefix] * batch_size, max_tokens):
             if reason != "stop":  # ran out of tokens mid-request
                 dropped["unfinished"] += 1
                 continue
@@ -134,6 +132,17 @@ def sample_requests(
                 if progress:
                     progress(1)
     return kept, dropped
+
+
+def mlx_sampling(lm, temperature: float, top_p: float, seed: int, batch_size: int):
+    """Sampling with mlx-lm for sample_requests, seeded."""
+    # mlx here, not at the top: the PyTorch trainer imports this module's filters where mlx is not installed
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temperature, top_p)
+    mx.random.seed(seed)
+    return lambda prompts, max_tokens: generate_batch(lm, prompts, max_tokens, sampler=sampler, batch_size=batch_size)
 
 
 def _main() -> int:
@@ -164,6 +173,8 @@ def _main() -> int:
     if out.exists() and not args.force:
         raise M2R2Error(f"{out} exists; pass --force to replace it")
     banned = evaluation_ngrams(Path(args.decontaminate), args.overlap) if args.decontaminate else set()
+
+    from ..models.registry import load_model  # here: the filters above import without mlx-lm (m2r2_torch)
 
     lm = load_model(args.model)
     with tqdm(total=args.requests, desc="sampling requests", unit="request") as bar:

@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_folder, atomic_save_npy
+from ..atomic import atomic_folder
 from ..core.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters, widen_adapters
 from ..core.arla import ARLA
 from ..core.draft_vocab import rank_tokens, save_draft_vocab
@@ -34,15 +34,12 @@ from ..errors import M2R2Error, run_cli
 from ..models.blas import blas_info
 from ..models.registry import load_model
 from .cpu_kernels import fast_kernels
-from .data import mask_path, pack_loss_mask, pack_rows, read_prompts, read_text_files, self_distill
+from .data import DATA_CACHE, DISTILL_LOG, load_rows, mask_path
 from .evaluate import gate_agreement
 from .exit_decisions import collect_features, train_exit_decisions
 from .losses import gate_loss, teacher_targets
 
 CHECKPOINT = "checkpoint"
-DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
-# beside it, data.mask.npy (data.mask_path): the positions that predict an answer or text token
-DISTILL_LOG = "distilled.jsonl"  # answers as they finish, for resuming an interrupted self-distillation
 DRAFT_VOCAB = "draft_vocab.json"  # written before the adapters folder is saved: ARLA needs it first
 
 
@@ -141,57 +138,6 @@ def parse_ranks(text: str) -> int | list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rank or a comma-separated list of ranks") from None
     return ranks[0] if len(ranks) == 1 else ranks
-
-
-def load_rows(args, lm, out: Path) -> tuple[np.ndarray, np.ndarray | None]:
-    """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy, or given by --data),
-    and their loss mask (data.pack_loss_mask; cached beside them), None where there is none."""
-    if args.data:
-        path = Path(args.data)
-        if not path.is_file():
-            raise M2R2Error(f"--data {path} not found; pass the data.npy of an earlier m2r2-train output folder")
-        rows = np.load(path)
-        if rows.ndim != 2 or rows.shape[1] != args.seq_len:
-            raise M2R2Error(f"--data {path} holds rows of shape {rows.shape}, not (N, {args.seq_len}); match --seq-len")
-        return rows, _load_mask(mask_path(path), rows.shape)
-    cache = out / DATA_CACHE
-    if cache.is_file() and (mask_path(cache).is_file() or not (args.text or args.prompts)):
-        rows = np.load(cache)
-        return rows, _load_mask(mask_path(cache), rows.shape)
-    seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
-    scored_from = [0] * len(seqs)  # plain text: every next token
-    if args.prompts:
-        conversations = read_prompts(args.prompts)
-        with tqdm(total=sum(map(len, conversations)), desc="self-distilling answers", unit="answer") as bar:
-            # answers are logged as they finish: an interrupted run resumes here without losing them
-            transcripts = self_distill(
-                lm, conversations, args.answer_tokens, log_path=out / DISTILL_LOG, progress=bar.update
-            )
-        seqs += [t.tokens for t in transcripts]
-        scored_from += [t.prompt_len for t in transcripts]  # the last answer only: the loss skips prompt and template
-    if not seqs:
-        raise M2R2Error("no training data: pass --text FILE... and/or --prompts FILE.jsonl")
-    rows, mask = pack_rows(seqs, args.seq_len), pack_loss_mask(seqs, scored_from, args.seq_len)
-    order = np.random.default_rng(args.seed).permutation(len(rows))
-    rows, mask = rows[order], mask[order]
-    if cache.is_file():  # rows packed before masks were kept: add their mask, never replace them
-        if not np.array_equal(np.load(cache), rows):
-            raise M2R2Error(
-                f"{cache} holds other rows than --text/--prompts give; use another -o, or --force to rebuild"
-            )
-    else:
-        atomic_save_npy(cache, rows)
-    atomic_save_npy(mask_path(cache), mask)
-    return rows, mask
-
-
-def _load_mask(path: Path, shape: tuple) -> np.ndarray | None:
-    if not path.is_file():
-        return None
-    mask = np.load(path)
-    if mask.shape != shape or mask.dtype != bool:
-        raise M2R2Error(f"{path} is not a boolean loss mask of shape {shape}; rebuild the rows with --stage data")
-    return mask
 
 
 def scored_positions(h: mx.array, scored: mx.array | None) -> mx.array:
