@@ -25,7 +25,7 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
+import m2r2_mlx  # (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, make_decoder
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from .peers import mlx_lm_decoder
 
-SPECBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "specbench" / "question.jsonl"
+SPECBENCH = Path(__file__).resolve().parent / "data" / "question.jsonl"  # Spec-Bench's 480 (data/README.md)
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
 METHODS = ("plain", "mlx-lm", "m2r2", "layerskip", "lookup", "mlx-lm-spec")
@@ -52,9 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m2r2-bench", description=__doc__.split("\n")[0],
                                 epilog="m2r2-bench --moe [...] runs the MoE expert-cache benchmark instead "
                                        "(see m2r2-bench --moe --help)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     p.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
-    p.add_argument("--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones)")
-    p.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
+    p.add_argument("--adapters", "--adapter-path", default=None,
+                   help="M2R2 adapters: a folder or a Hub repo id (default: the packaged ones)")
+    p.add_argument("--questions", type=Path, default=SPECBENCH,
+                   help="Spec-Bench question.jsonl (default: the copy that ships with m2r2-bench)")
     p.add_argument(
         "--categories",
         default="all",
@@ -67,13 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="plain,mlx-lm,m2r2,layerskip,lookup",
         help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
-    p.add_argument("--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
+    p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
     p.add_argument("--gate", type=int, default=None, help="draft exit layer for m2r2/layerskip (default: first gate)")
     p.add_argument(
-        "--draft", type=int, default=DEFAULT_DRAFT, help=f"most drafted tokens per step (default {DEFAULT_DRAFT})"
+        "--draft", "--num-draft-tokens", type=int, default=DEFAULT_DRAFT,
+        help=f"most drafted tokens per step (default {DEFAULT_DRAFT})"
     )
     p.add_argument(
         "--threshold",
+        "--draft-p-min",
         type=float,
         default=DEFAULT_THRESHOLD,
         help=f"stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})",
@@ -86,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
              "full)",
     )
     p.add_argument("--draft-model", default=None, help="a small model for mlx-lm's two-model speculative decoding")
-    p.add_argument("--out", type=Path, default=Path("docs/specbench"), help="folder for JSONL, table and plot")
+    p.add_argument("--out", type=Path, default=Path("m2r2-bench-results"),
+                   help="folder for JSONL, table and plot (default: ./m2r2-bench-results)")
     return p
 
 

@@ -3,6 +3,8 @@
     m2r2-chat                                   # Textual chat on the embedded SmolLM2-135M
     m2r2-chat --model phi3                      # a hub model by alias (downloaded once)
     m2r2-chat --prompt "What is the capital of France?"   # one answer, no UI
+    echo "What is the capital of France?" | m2r2-chat -p -  # the prompt from stdin
+    m2r2-chat --adapters owner/repo --mode speculative  # Hub adapters; their base model is the model
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
+import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
+from m2r2_mlx.core.hub import resolve_model_and_adapters
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
 
 from .app import ChatApp
+from .options import add_options, check_options
 from .session import generation_options, make_session
 
 
@@ -25,57 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="m2r2-chat", description="Chat with an MLX model; every token is coloured by its exit depth."
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     p.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
-        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
-             f"{DEFAULT_MODEL}, embedded)",
-    )
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        default="plain",
-        help="; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)",
-    )
-    p.add_argument(
-        "--adapters", default=None, help="M2R2 adapters folder (default: the packaged ones for the embedded model)"
-    )
-    p.add_argument(
-        "--gate", type=int, default=None, help="exit layer that drafts come from (default: the adapters' first gate)"
-    )
-    p.add_argument(
-        "--draft",
-        type=int,
-        default=DEFAULT_DRAFT,
-        help=f"most drafted tokens per verification step (default: {DEFAULT_DRAFT})",
-    )
-    p.add_argument(
-        "--threshold",
-        type=float,
-        default=DEFAULT_THRESHOLD,
-        help=f"stop drafting when a draft's probability falls below this (default: {DEFAULT_THRESHOLD}; 0 = never)",
-    )
-    p.add_argument(
-        "--draft-vocab",
-        type=int,
         default=None,
-        metavar="N",
-        help=f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} "
-        "where the adapters have draft_vocab.json; 0 = the full LM head)",
+        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: the base "
+        f"the --adapters name, else {DEFAULT_MODEL}, embedded)",
     )
     p.add_argument(
-        "--tau",
-        type=float,
-        default=0.9,
-        help="early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute "
-        "they still save (default: 0.9)",
+        "--adapters",
+        "--adapter-path",
+        default=None,
+        help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the embedded model)",
     )
-    p.add_argument("--flat-tau", action="store_true", help="early exit: the same --tau at every gate")
-    p.add_argument("--prompt", help="print the answer to this prompt and exit (no terminal UI)")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default: 512)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_options(p)
+    p.add_argument("-p", "--prompt", help="print the answer to this prompt and exit (no terminal UI); - reads stdin")
     p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
     p.add_argument(
         "--memory-budget",
@@ -99,24 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.draft < 1:
-        raise M2R2Error(f"--draft must be at least 1 (got {args.draft})")
-    if args.max_tokens < 1:
-        raise M2R2Error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    if args.temp < 0:
-        raise M2R2Error(f"--temp must be 0 (greedy) or positive (got {args.temp})")
-    if not 0 <= args.tau <= 1.5:
-        raise M2R2Error(f"--tau must be in [0, 1] (above 1 never exits; got {args.tau})")
-    if not 0 <= args.threshold <= 1:
-        raise M2R2Error(f"--threshold must be in [0, 1] (got {args.threshold})")
-    if args.draft_vocab is not None and args.draft_vocab < 0:
-        raise M2R2Error(f"--draft-vocab must be 0 (the full head) or a positive count (got {args.draft_vocab})")
-    if not 0 < args.top_p <= 1:
-        raise M2R2Error(f"--top-p must be in (0, 1] (got {args.top_p})")
+    """Values in range, then the model and adapters decided from their names: a mode that needs adapters the
+    model has none of fails here, before any download."""
+    check_options(vars(args))
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    args.model, folder = resolve_model_and_adapters(args.model, args.adapters, args.mode)
+    args.adapters = None if folder is None else str(folder)
 
 
 def one_shot(args: argparse.Namespace) -> int:
-
     lm = load_model(args.model)
     session = make_session(args, lm)
     stats = AnswerStats()

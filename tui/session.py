@@ -9,15 +9,16 @@ from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.decoders import make_decoder as decoder_for
 from m2r2_mlx.moe.serve import serve_with_budget
 
+from . import options
+
 
 def generation_options(args: argparse.Namespace) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
+    return options.generation_options(vars(args))
 
 
 def make_decoder(args: argparse.Namespace, lm):
     """The decoder the options name (also when the TUI switches mode or tau)."""
-    return decoder_for(lm, args.mode, args.adapters, gate=args.gate, max_draft=args.draft, threshold=args.threshold,
-                       draft_vocab=args.draft_vocab, tau=args.tau, scaled_tau=not args.flat_tau)
+    return decoder_for(lm, args.mode, args.adapters, **options.decoder_options(vars(args)))
 
 
 def make_session(args: argparse.Namespace, lm):

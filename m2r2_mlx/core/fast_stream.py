@@ -235,22 +235,25 @@ class M2R2Model(nn.Module):
     def draft_state(
         self, token: mx.array, gate_index: int, cache_layers, adapters: bool = True, h_prev: mx.array | None = None
     ) -> mx.array:
-        """The exit state (D,) at a gate for one new token.
+        """The exit state (D,) at a gate for the last of new tokens (``token``: one id, or ids of a run of new
+        positions, whose states before the last only write their keys and values).
 
         Layers below the interval run as the slow stream (their K/V are the real ones);
         the interval's layers run as the fast stream and write provisional K/V for the
-        drafted position, which verification trims and recomputes. ``h_prev``: the final
-        residual of the position before (for a context feature; None: none). ``adapters=False``
-        gives the naive exit of the slow state at the gate (layer-skip drafting without M2R2).
+        drafted positions, which verification trims and recomputes. ``h_prev``: the final
+        residual of the position before each token (for a context feature; None: none; zeros: none for that
+        token). ``adapters=False`` gives the naive exit of the slow state at the gate (layer-skip drafting
+        without M2R2).
         """
         start, stop = self.config.intervals()[gate_index]
-        h = self.parts.embed(token.reshape(1, 1))
-        h = self.parts.run_layers(h, 0, start, None, cache_layers)
+        h = self.parts.embed(token.reshape(1, -1))
+        mask = "causal" if h.shape[1] > 1 else None
+        h = self.parts.run_layers(h, 0, start, mask, cache_layers)
         if adapters:
             h = self.start_state(gate_index, h, None if h_prev is None else h_prev.reshape(h.shape))
-            h = self.fast_layers(h, start, stop, None, cache_layers)
+            h = self.fast_layers(h, start, stop, mask, cache_layers)
         else:
-            h = self.parts.run_layers(h, start, stop, None, cache_layers)
+            h = self.parts.run_layers(h, start, stop, mask, cache_layers)
         return h[0, -1]
 
     # ---- training time -----------------------------------------------------------------

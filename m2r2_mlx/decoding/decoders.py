@@ -10,41 +10,40 @@ from ..core.adapters import load_adapters, new_m2r2
 from ..core.arla import ARLARule
 from ..core.config import M2R2Config
 from ..core.draft_vocab import FILE, load_draft_vocab
+from ..core.hub import packaged_adapters, resolve_adapters
 from ..errors import M2R2Error
-from ..models.registry import DEFAULT_MODEL
 from .drafters import LayerDrafter, PromptLookupDrafter
 from .early_exit import confidence, early_exit_generate
 from .generate import TokenEvent, generate
-from .speculative import speculative_generate
+from .speculative import Speculator
 
 MODES = ("plain", "speculative", "early-exit", "layerskip", "lookup")
 MODE_HELP = {
     "plain": "plain decoding",
     "early-exit": "lossy dynamic early exit: a token leaves at the first gate whose exit score reaches --tau",
-    "speculative": "lossless self-speculative decoding, M2R2 fast-stream drafts",
+    "speculative": "lossless self-speculative decoding: prompt lookup and the M2R2 fast stream draft where the "
+    "engine's cost model expects it to pay",
     "layerskip": "lossless self-speculative decoding, drafts from the slow state's naive exit (no adapters)",
     "lookup": "lossless prompt-lookup decoding (drafts copied from the context)",
 }
-PACKAGED_ADAPTERS = Path(__file__).resolve().parents[1] / "trained"
-# Chosen by measurement on SmolLM2-135M (docs/speculative_sweep.md): the first gate, short drafts cut at
-# 0.4 confidence, and a draft head over the 4,096 most frequent tokens.
+# Verifying every draft (policy "always": the lookup and layer-skip baselines, and the fast stream alone):
+# short drafts cut at 0.4 confidence, chosen by measurement on SmolLM2-135M (docs/speculative_sweep.md). The
+# cost-aware engine drafts further only where it pays, and weighs every candidate itself (no threshold).
 DEFAULT_DRAFT, DEFAULT_THRESHOLD, DEFAULT_DRAFT_VOCAB = 3, 0.4, 4096
+COST_DRAFT, COST_WIDTH = 8, 3
+DRAFTERS = ("hybrid", "fast")
 
 Decoder = Callable[..., Iterator[TokenEvent]]
 
 
-def packaged_adapters(model_name: str | None) -> Path | None:
-    """Adapters that ship with m2r2 for a model alias (today: the embedded smollm2)."""
-    folder = PACKAGED_ADAPTERS / (model_name or DEFAULT_MODEL).lower()
-    return folder if (folder / "m2r2_config.json").is_file() else None
-
-
 def adapters_folder(lm, adapters: str | Path | None = None, mode: str = "this mode") -> Path:
-    """The given adapters folder, else the packaged one for the model; one clear line if there is none."""
-    folder = adapters or packaged_adapters(lm.name)
+    """The given adapters (a folder or a Hub repo id), else the packaged ones for the model; one clear line if
+    there are none (commands check this before loading the model: hub.resolve_model_and_adapters)."""
+    folder = resolve_adapters(adapters) if adapters else packaged_adapters(lm.name)
     if folder is None:
-        raise M2R2Error(f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR (train them with m2r2-train)")
-    return Path(folder)
+        raise M2R2Error(f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR or a Hub repo id "
+                        "(train them with m2r2-train)")
+    return folder
 
 
 def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
@@ -92,17 +91,35 @@ def exit_rule(m2r2):
     return ARLARule(m2r2.arla)
 
 
+def acceptance_priors(drafters) -> dict[str, float]:
+    """Acceptance rates to start from, before the engine has measured any: the held-out agreement of a layer
+    drafter's exit with the full model that the adapters' trainer recorded (naive exit for layer-skip)."""
+    priors = {"lookup": 0.5}
+    for d in drafters:
+        if isinstance(d, LayerDrafter):
+            agreement = d.m2r2.config.extra.get("heldout_agreement", {})
+            rates = agreement.get("m2r2" if d.adapters else "naive") or []
+            gates = agreement.get("gates", [])
+            priors[d.kind] = rates[gates.index(d.exit_layer)] if d.exit_layer in gates else 0.3
+    return priors
+
+
 def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
-                 gate: int | None = None, max_draft: int = DEFAULT_DRAFT, threshold: float = DEFAULT_THRESHOLD,
+                 gate: int | None = None, max_draft: int | None = None, threshold: float | None = None,
                  draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9,
-                 scaled_tau: bool = True) -> Decoder:
+                 scaled_tau: bool = True, drafter: str = "hybrid", policy: str | None = None,
+                 width: int | None = None) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
-    ``gate`` is the exit layer drafts come from (one of the adapters' gates; default the first);
-    ``threshold`` stops a draft early when its confidence falls below it; ``draft_vocab`` scores
-    drafts over the model's N most frequent tokens only (None: the default where available, 0: all); ``tau`` is
-    early exit's threshold at the first gate, deeper gates asking more unless ``scaled_tau`` is False
-    (early_exit.gate_thresholds).
+    Speculative mode drafts with prompt lookup and the M2R2 fast stream (``drafter="hybrid"``) or the fast stream
+    alone (``"fast"``), under ``policy``: "cost" (the default: the engine drafts and verifies what its measured
+    costs and acceptance rates say pays) or "always" (every proposal verified, as the lookup and layer-skip modes
+    do). ``gate``: the exit layer the fast stream drafts from (one of the adapters' gates; default the first);
+    ``max_draft``: the most tokens drafted per step (default 8 under "cost", else 3); ``threshold``: stop a
+    draft when its probability falls below it (default 0.4 under "always", else 0); ``width``: candidates at the
+    first draft position (default 3 under "cost", else 1); ``draft_vocab``: score drafts over the model's N most
+    frequent tokens only (None: the default where available, 0: all); ``tau``: early exit's threshold at the
+    first gate, deeper gates asking more unless ``scaled_tau`` is False (early_exit.gate_thresholds).
     """
     if mode == "plain":
         return partial(generate, lm.model, lm.tokenizer)
@@ -110,22 +127,24 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mode == "early-exit":
         m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
-        decode = partial(
-            early_exit_generate,
-            m2r2,
-            lm.tokenizer,
-            tau=tau,
-            rule=exit_rule(m2r2),
-            exit_head=m2r2.exit_head,
-            scaled_tau=scaled_tau,
-        )
+        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2),
+                         exit_head=m2r2.exit_head, scaled_tau=scaled_tau)
         decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
         return decode
-
-    drafter = make_drafter(
-        lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab, drop_unsure=drop_unsure
-    )
-    decode = partial(speculative_generate, lm.model, lm.tokenizer, drafter=drafter, max_draft=max_draft)
-    decode.exit_layers = sorted({drafter.exit_layer, lm.num_layers})  # for legends: where tokens can come from
-    decode.drafter = drafter
-    return decode
+    if drafter not in DRAFTERS:
+        raise M2R2Error(f"unknown drafter {drafter!r}; choose one of: {', '.join(DRAFTERS)}")
+    policy = policy or ("cost" if mode == "speculative" else "always")
+    cost = policy == "cost"
+    threshold = (0.0 if cost else DEFAULT_THRESHOLD) if threshold is None else threshold
+    if not 0 <= threshold <= 1:  # also NaN
+        raise M2R2Error(f"the draft threshold must be in [0, 1] (got {threshold})")
+    drafters = []
+    if mode == "lookup" or (mode == "speculative" and drafter == "hybrid"):
+        drafters.append(PromptLookupDrafter())
+    if mode != "lookup":
+        drafters.append(make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab,
+                                     drop_unsure=drop_unsure))
+    engine = Speculator(lm.model, lm.tokenizer, drafters, policy=policy,
+                        max_draft=max_draft or (COST_DRAFT if cost else DEFAULT_DRAFT),
+                        width=width or (COST_WIDTH if cost else 1), priors=acceptance_priors(drafters))
+    return engine

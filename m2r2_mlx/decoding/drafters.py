@@ -1,24 +1,25 @@
-"""Where speculative drafts come from. Each drafter proposes up to ``limit`` tokens after
-``token`` (the last sampled token, not yet in the cache) and leaves the cache as it found it.
+"""Where speculative drafts come from. A drafter adds proposals to a draft tree (tree.py) after its root, the
+last emitted token (not yet in the cache), and leaves the cache as it found it.
 
-- ``LayerDrafter``: exit at a gate of the base. With adapters it is the M2R2 fast stream;
-  without, the slow state's own exit (naive layer-skip self-speculation, LayerSkip untrained).
-  Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting). Drafting stops at
-  the first draft whose probability is below ``threshold``; that draft is still verified
-  (Kangaroo's rule), or with ``drop_unsure`` dropped, as a verified position costs more than
-  an unlikely draft is worth (measured: docs/draft_calibration.md, docs/speculative_sweep.md).
-- ``PromptLookupDrafter``: copy the continuation of the latest earlier match of the last
-  n-gram in the context (prompt-lookup decoding; no model compute at all).
+- ``LayerDrafter``: exit at a gate of the base. With adapters it is the M2R2 fast stream; without, the slow
+  state's own exit (naive layer-skip self-speculation). It drafts a chain one step at a time (each step runs the
+  layers up to its gate) and may add the first step's next most likely tokens beside the chain's first token.
+  Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting). ``go_on`` (the engine's cost model)
+  or a confidence ``threshold`` ends the chain.
+- ``PromptLookupDrafter``: copy the continuations of earlier occurrences of the sequence's last n-gram (prompt
+  lookup decoding; no model compute), the longest n-grams and latest occurrences first.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..models.base_model import SubsetHead
 from .sampling import Sampling, sampling_probs
+from .tree import DraftTree
 
 
 class LayerDrafter:
@@ -28,68 +29,113 @@ class LayerDrafter:
         self.drop_unsure = drop_unsure
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
+        self.kind = "fast" if adapters else "layerskip"
         self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
         self.confidences: list[float] = []  # the last call's draft probabilities, a dropped one included
         # A context feature reads the previous position's final residual: the cache keeps the verifier's
         # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
         self.keeps_states = adapters and gate_index == 0 and m2r2.config.context_feature
 
-    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
-        drafts, qs, self.confidences = [], [], []
+    def propose(self, tree: DraftTree, cache, limit: int, s: Sampling, eos_ids, width: int = 1,
+                go_on: Callable[[int, float], bool] | None = None, after: int = 0) -> int:
+        """Draft up to ``limit`` tokens after node ``after`` (default the root); returns the draft steps taken.
+        ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
+        proposals); ``go_on(node, confidence)`` decides whether to draft another token (default: while
+        confidence >= threshold). After a deeper node, the tokens on the way to it (another drafter's) first
+        run through the drafter's layers in one pass, writing their provisional keys and values."""
+        self.confidences = []
         drop = self.threshold > 0 and self.drop_unsure
-        cur, steps = token, 0
+        path = tree.path(after)
+        cur, parent, steps, written = tree.tokens[after], after, 0, len(path) - 1
         h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
-        while len(drafts) < limit:
+        if written:  # the path's tokens before ``after``; the context feature reads nothing for the later ones
+            run = mx.array([tree.tokens[i] for i in path[:-1]])
+            prev = None if h_prev is None else mx.concatenate([h_prev[None], mx.zeros((written - 1, h_prev.size))])
+            h = self.m2r2.draft_state(run, self.gate_index, cache.layers, self.adapters, prev)
+            h_prev = h if self.keeps_states else None
+        while steps < limit:
             h = self.m2r2.draft_state(mx.array(cur), self.gate_index, cache.layers, self.adapters, h_prev)
             logits = self.m2r2.parts.head(h) if self.head is None else self.head(h)
             h_prev = h if self.keeps_states else None
             steps += 1  # each draft step wrote one provisional position
-            if s.greedy:
-                probs = mx.softmax(logits.astype(mx.float32))
-                i = mx.argmax(probs)
-            else:
-                probs = sampling_probs(logits, s)
-                i = mx.random.categorical(mx.log(probs))
-            conf = probs[i]
-            d = self.head.ids[i] if self.head is not None else i
-            d, conf = int(d.item()), conf.item()
+            probs = mx.softmax(logits.astype(mx.float32)) if s.greedy else sampling_probs(logits, s)
+            i = mx.argmax(probs) if s.greedy else mx.random.categorical(mx.log(probs))
+            top = mx.argpartition(-probs, width - 1)[:width] if steps == 1 and width > 1 else None
+            d, conf = int(self._token(i).item()), probs[i].item()
             self.confidences.append(conf)
             unsure = conf < self.threshold
             if unsure and drop:
                 break
+            q = None
             if not s.greedy:
                 if drop:  # a kept draft was drawn from q restricted to {q >= threshold}: verify against that law
                     probs = mx.where(probs >= self.threshold, probs, 0.0)
                     probs = probs / probs.sum()
-                qs.append(probs if self.head is None else self.head.full(probs, 0.0))
-            drafts.append(d)
-            cur = d
-            if unsure or d in eos_ids:  # an unsure draft is verified, but none is drafted after it
-                break
+                q = probs if self.head is None else self.head.full(probs, 0.0)
+            node = tree.add(parent, d, self.kind, q)
+            tree.signal[(self.kind, node)] = conf
+            if top is not None:  # chosen from q alone, whatever was sampled: deterministic proposals
+                for j in sorted(top.tolist(), key=lambda j: -probs[j].item()):
+                    extra = tree.add(after, int(self._token(mx.array(j)).item()), self.kind)
+                    tree.signal.setdefault((self.kind, extra), probs[j].item())
+            parent, cur = node, d
+            if d in eos_ids or (unsure if go_on is None else not go_on(node, conf)):
+                break  # an unsure draft is still verified (Kangaroo's rule), but none is drafted after it
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
-            layer.trim(steps)
-        return drafts, (mx.stack(qs) if qs else None)
+            layer.trim(written + steps)
+        return steps
+
+    def _token(self, i: mx.array) -> mx.array:
+        return self.head.ids[i] if self.head is not None else i
+
+    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
+        """A chain of drafts after ``token`` and the laws they were sampled from (None for greedy drafts)."""
+        tree = DraftTree.root(token)
+        self.propose(tree, cache, limit, s, eos_ids)
+        drafts = tree.tokens[1:]
+        qs = [q for node in range(len(tree)) for _, q in tree.proposals[node]]
+        return drafts, (mx.stack(qs) if qs and qs[0] is not None else None)
 
 
 class PromptLookupDrafter:
     exit_layer = 0  # drafted tokens used no layer at all
     keeps_states = False
-    name = "prompt-lookup"
+    kind = name = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], None]:
-        ctx = cache.tokens + [token]
+    def continuations(self, context: Sequence[int], limit: int, width: int = 1) -> list[tuple[list[int], int]]:
+        """Up to ``width`` continuations (distinct first tokens) of earlier occurrences of the context's last
+        n-gram, each with its n: the longest n first, then the latest occurrence."""
+        ctx = np.asarray(context)
+        found: list[tuple[list[int], int]] = []
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(ctx) <= n:
                 continue
             tail = ctx[-n:]
-            for start in range(len(ctx) - n - 1, -1, -1):  # the latest earlier occurrence wins
-                if ctx[start:start + n] == tail:
-                    cont = ctx[start + n:start + n + limit]
-                    for k, t in enumerate(cont):
-                        if t in eos_ids:
-                            return cont[:k + 1], None
-                    return cont, None
-        return [], None
+            starts = np.flatnonzero(ctx[: len(ctx) - n] == tail[0])  # each leaves a token to copy after it
+            for k in range(1, n):
+                starts = starts[ctx[starts + k] == tail[k]]
+            for start in starts[::-1]:
+                cont = ctx[start + n: start + n + limit].tolist()
+                if all(cont[0] != c[0][0] for c in found):
+                    found.append((cont, n))
+                    if len(found) == width:
+                        return found
+        return found
+
+    def propose(self, tree: DraftTree, context: Sequence[int], limit: int, eos_ids, width: int = 1) -> None:
+        """Add the continuations after the root; ``context`` ends with the root token."""
+        for cont, n in self.continuations(context, limit, width):
+            for k, t in enumerate(cont):  # a copied end-of-sequence is drafted, and nothing after it
+                if t in eos_ids:
+                    cont = cont[: k + 1]
+                    break
+            for node in tree.add_chain(0, cont, self.kind):
+                tree.signal.setdefault((self.kind, node), float(n))
+
+    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], None]:
+        tree = DraftTree.root(token)
+        self.propose(tree, cache.tokens + [token], limit, eos_ids)
+        return tree.tokens[1:], None

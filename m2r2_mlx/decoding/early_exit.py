@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 
 from .generate import PromptCache, TokenEvent, start_decoding
-from .sampling import Sampling, sample_from, sampling_probs
+from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs
 
 
 def gate_thresholds(tau: float, exit_layers: Sequence[int], first: int, num_layers: int,
@@ -178,6 +178,9 @@ def early_exit_generate(
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     seed: int | None = None,
     context_length: int | None = None,
     stats: dict | None = None,
@@ -189,10 +192,16 @@ def early_exit_generate(
     ``tau`` is the exit threshold at the first gate checked; with ``scaled_tau`` deeper gates ask more
     (``gate_thresholds``), else every gate asks ``tau``. ``exit_head`` (a SubsetHead, e.g.
     ``m2r2.exit_head``) scores the exits over a vocabulary subset."""
+    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty)
     if seed is not None:
         mx.random.seed(seed)
-    s = Sampling(temperature, top_p)
-    pick = (lambda lg: int(mx.argmax(lg).item())) if s.greedy else (lambda lg: sample_from(sampling_probs(lg, s)))
+
+    def pick(logits: mx.array) -> int:
+        history = cache.tokens if s.reads_history else ()
+        if s.greedy:
+            return int(mx.argmax(processed_logprobs(logits, s, history)).item())
+        return sample_from(sampling_probs(logits, s, history))
+
     cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length,
                                            keep_states=m2r2.config.context_feature)
     walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused,

@@ -14,10 +14,11 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts
+from .sampling import Sampling
+from .tree import DraftTree, keep_positions, tree_positions
 
 PREFILL_CHUNK = 512
 
@@ -38,6 +39,8 @@ class TokenEvent:
     peak_memory_gb: float
     finish_reason: str | None = None  # "stop" (end of sequence) or "length" on the last event
     eos: bool = False  # the end-of-sequence token itself (text is "")
+    source: str | None = None  # for an accepted draft: the drafter it came from ("lookup", "fast", "layerskip")
+    plan: str = ""  # speculative decoding: what the engine chose for this token's step (e.g. "lookup 4 + fast 1")
 
 
 class PromptCache:
@@ -111,6 +114,29 @@ class PromptCache:
                 common = 0
         return list(prompt[common:])
 
+    def forward_tree(self, tree: DraftTree) -> mx.array:
+        """Run the model on a draft tree's nodes at the end of the cache (tree.py); returns logits (N, vocab).
+        The cache holds all N positions until ``commit`` keeps the accepted path."""
+        if tree.is_chain:
+            return self.forward(tree.tokens)
+        offset = len(self)
+        self._tokens.extend(tree.tokens)
+        parts = self.parts
+        with tree_positions(parts.layers, tree.depths):
+            h = parts.run_layers(parts.embed(mx.array(tree.tokens)[None]), 0, parts.num_layers, tree.mask(offset),
+                                 self.layers)
+        self.states = h[0] if self.keep_states else None
+        return parts.head(h)[0]
+
+    def commit(self, path: Sequence[int], total: int) -> None:
+        """After ``forward_tree`` over ``total`` nodes: keep the nodes of ``path`` (increasing), as if decoded alone."""
+        start = len(self) - total
+        for layer in self.layers:
+            keep_positions(layer, start, path, total)
+        self._tokens[start:] = [self._tokens[start + i] for i in path]
+        if self.states is not None:
+            self.states = self.states[mx.array(list(path))]
+
     def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
         """Run the model on new tokens at the end of the cache; returns logits (T, vocab)."""
         if isinstance(tokens, mx.array):
@@ -166,7 +192,8 @@ class EventStream:
     def done(self) -> bool:
         return self.n >= self.max_tokens
 
-    def event(self, token: int, exit_layer: int | None = None, drafted: bool = False) -> TokenEvent:
+    def event(self, token: int, exit_layer: int | None = None, drafted: bool = False, source: str | None = None,
+              plan: str = "") -> TokenEvent:
         now = time.perf_counter()
         if self.n == 0:
             self.prompt_time, self.first, self.last = now - self.tic, now, now
@@ -191,6 +218,8 @@ class EventStream:
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             finish_reason="stop" if eos else ("length" if last else None),
             eos=eos,
+            source=source,
+            plan=plan,
         )
         self.n += 1
         self.last = now
@@ -222,24 +251,34 @@ def generate(
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     seed: int | None = None,
     context_length: int | None = None,
 ) -> Iterator[TokenEvent]:
-    """Decode greedily (temperature 0) or by sampling; one event per token."""
+    """Decode greedily (temperature 0) or by sampling, as mlx-lm does (its sampler and logits processors);
+    one event per token."""
+    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty)
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler(temp=temperature, top_p=top_p)
+    sampler, processors = s.sampler(), s.processors()
+    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length)
+    history = mx.array(cache.tokens) if processors else None  # what the processors read: the whole sequence
 
     def sample(logits: mx.array) -> mx.array:
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs[None])[0]
+        logits = logits[None]
+        for process in processors:
+            logits = process(history, logits)
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
 
-    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length)
     y = sample(logits)
     mx.async_eval(y)
     while True:
         next_y = None
         if events.n + 1 < events.max_tokens:
+            if processors:
+                history = mx.concatenate([history, y[None]])
             next_y = sample(cache.forward(y[None])[-1])  # builds the next step before reading y
             mx.async_eval(next_y)
         ev = events.event(y.item())

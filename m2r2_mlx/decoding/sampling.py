@@ -1,68 +1,154 @@
 """Token distributions and the verification rule of speculative decoding.
 
-The target distribution is exactly what plain sampling draws from (mlx-lm's
-sampler: top-p on the untempered log-probabilities, then temperature), so
-speculative sampling reproduces plain sampling's distribution, not a variant.
+The target distribution is exactly what plain sampling draws from, built from mlx-lm's own pieces: the logits
+processors (repetition penalty, over the last tokens of the sequence) on the raw logits, log-probabilities,
+then the sampler's filters in its order (top-p, min-p, top-k) and the temperature. Speculative sampling
+therefore reproduces plain sampling's distribution, not a variant, and greedy speculative decoding takes the
+argmax of the same processed logits as greedy plain decoding.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+
+from ..errors import M2R2Error
+from .tree import DraftTree
 
 
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    repetition_context_size: int = 20
+
+    def __post_init__(self):
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be 0 (greedy) or positive"),
+            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top-k must be 0 (off) or a positive count"),
+            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition penalty must be positive (1 = off)"),
+            (self.repetition_context_size >= 1, "the repetition context must hold at least 1 token"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise M2R2Error(f"{why} (got {self})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def reads_history(self) -> bool:
+        """The target distribution depends on the tokens before it (a repetition penalty)."""
+        return self.repetition_penalty != 1.0
 
-def sampling_probs(logits: mx.array, s: Sampling) -> mx.array:
-    """Probabilities (float32, last axis) that plain sampling with ``s`` draws tokens from."""
-    logprobs = logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    def processors(self) -> list:
+        """mlx-lm's logits processors for these options: what plain decoding applies to the raw logits."""
+        if not self.reads_history:
+            return []
+        return make_logits_processors(repetition_penalty=self.repetition_penalty,
+                                      repetition_context_size=self.repetition_context_size)
+
+    def sampler(self):
+        """mlx-lm's sampler for these options (argmax when greedy)."""
+        return make_sampler(temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, min_p=self.min_p,
+                            top_k=self.top_k)
+
+
+def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:
+    """Log-probabilities (float32, last axis) after the logits processors, for one position whose sequence so far
+    is ``history`` (only read with a repetition penalty); ``logits`` (V,) or (1, V)."""
+    x = logits.astype(mx.float32).reshape(1, -1)
+    if s.reads_history and len(history):
+        tokens = history if isinstance(history, mx.array) else mx.array(list(history)[-s.repetition_context_size:])
+        for process in s.processors():
+            x = process(tokens, x)
+    return (x - mx.logsumexp(x, axis=-1, keepdims=True))[0]
+
+
+def filtered_probs(logprobs: mx.array, s: Sampling) -> mx.array:
+    """The distribution the sampler draws from, given processed log-probabilities (last axis)."""
     if 0 < s.top_p < 1:
         logprobs = apply_top_p(logprobs, s.top_p)
+    if s.min_p > 0:
+        logprobs = apply_min_p(logprobs, s.min_p)
+    if 0 < s.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, s.top_k)
     return mx.softmax(logprobs / s.temperature, axis=-1)
+
+
+def sampling_probs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:
+    """Probabilities (float32) that plain sampling with ``s`` draws the next token from; ``logits`` may hold
+    several rows (then without history: a repetition penalty needs one row at a time)."""
+    if s.reads_history and len(history):
+        return filtered_probs(processed_logprobs(logits, s, history), s)
+    x = logits.astype(mx.float32)
+    return filtered_probs(x - mx.logsumexp(x, axis=-1, keepdims=True), s)
 
 
 def sample_from(probs: mx.array) -> int:
     return int(mx.random.categorical(mx.log(probs)).item())
 
 
-def verify(logits: mx.array, drafts: list[int], q: mx.array | None, s: Sampling) -> tuple[int, int]:
-    """How many drafts the full model accepts, and the token it emits after them.
+def verify(logits: mx.array, drafts: list[int], q: mx.array | None, s: Sampling,
+           history: Sequence[int] = ()) -> tuple[int, int]:
+    """How many of a chain of drafts the full model accepts, and the token it emits after them (``verify_tree``
+    on a chain). ``logits`` (K+1, vocab) are the full model's on [y, d_1..d_K]; ``q`` (K, vocab) holds the
+    distributions the drafts were sampled from, None for deterministic drafts; ``history``: the sequence up to
+    and including y."""
+    tree = DraftTree.root(history[-1] if len(history) else -1)
+    parent = 0
+    for i, d in enumerate(drafts):
+        parent = tree.add(parent, d, "chain", None if q is None else q[i])
+    path, token = verify_tree(logits, tree, s, history[:-1] if len(history) else ())
+    return len(path) - 1, token
 
-    ``logits`` (K+1, vocab) are the full model's on [y, d_1..d_K]. Greedy: accept the
-    longest prefix equal to the full model's argmax. Sampling (Leviathan et al.): accept
-    d_i with probability min(1, p_i(d_i) / q_i(d_i)); on the first rejection emit a
-    sample of norm(max(0, p_i - q_i)); if all pass, a sample of p_(K+1). ``q`` (K, vocab)
-    holds the draft distributions; None means deterministic drafts (one-hot q).
+
+def verify_tree(logits: mx.array, tree: DraftTree, s: Sampling, history: Sequence[int] = ()) -> tuple[list[int], int]:
+    """The accepted path of ``tree`` (node indices from the root) and the token the full model emits after it.
+
+    ``logits`` (N, vocab) are the full model's at every node; ``history`` the sequence before the root. Greedy: go
+    to the child equal to the argmax, while there is one. Sampling (SpecInfer's multi-candidate rule, lossless when
+    each sampled proposal is drawn independently from its q): at a node with target p, try the proposals in order;
+    accept child c proposed with q with probability min(1, p(c) / q(c)) (q one-hot for a deterministic proposal:
+    probability p(c)); on rejection p becomes norm(max(p - q, 0)); if every proposal is rejected, or there is none,
+    emit a sample of p.
     """
-    if s.greedy:
-        targets = mx.argmax(logits, axis=-1).tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == targets[a]:
-            a += 1
-        return a, targets[a]
-    p = sampling_probs(logits, s)
-    k = len(drafts)
-    if k:
-        idx = mx.array(drafts)
-        p_d = p[mx.arange(k), idx]
-        q_d = mx.ones((k,)) if q is None else q[mx.arange(k), idx]
-        ratio = mx.minimum(p_d / mx.maximum(q_d, 1e-20), 1.0)
-        passed = (mx.random.uniform(shape=(k,)) < ratio).tolist()
-        for i, ok in enumerate(passed):
-            if not ok:
-                q_i = mx.zeros_like(p[i]).at[drafts[i]].add(1.0) if q is None else q[i]
-                residual = mx.maximum(p[i] - q_i, 0.0)
+    history = list(history)
+    node, path = 0, [0]
+    batch = None if s.reads_history else (mx.argmax(logits, axis=-1).tolist() if s.greedy
+                                          else sampling_probs(logits, s))
+    while True:
+        context = history + [tree.tokens[i] for i in path]
+        if s.greedy:
+            target = batch[node] if batch is not None else int(mx.argmax(processed_logprobs(logits[node], s, context)))
+            nxt = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
+            if nxt is None:
+                return path, target
+        else:
+            p = batch[node] if batch is not None else sampling_probs(logits[node], s, context)
+            nxt = None
+            for child, q in tree.proposals[node]:
+                token = tree.tokens[child]
+                ratio = p[token] if q is None else p[token] / mx.maximum(q[token], 1e-20)
+                if mx.random.uniform().item() < min(1.0, ratio.item()):
+                    nxt = child
+                    break
+                q = mx.zeros_like(p).at[token].add(1.0) if q is None else q
+                residual = mx.maximum(p - q, 0.0)
                 total = residual.sum()
-                return i, sample_from(mx.where(total > 0, residual / total, p[i]))
-    return k, sample_from(p[k])
+                p = mx.where(total > 0, residual / total, p)
+            if nxt is None:
+                return path, sample_from(p)
+        node = nxt
+        path.append(node)

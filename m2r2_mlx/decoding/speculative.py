@@ -1,61 +1,182 @@
-"""Lossless speculative decoding with a pluggable drafter (see drafters.py).
+"""Lossless speculative decoding: drafters propose a tree of tokens, one full forward verifies it.
 
-One round, with y the last token (sampled, not yet in the cache):
-1. the drafter proposes up to K tokens (M2R2's fast stream exiting at a gate, the
-   slow state's naive exit, or prompt lookup) and leaves the cache as it found it;
-2. the full model runs once on [y, d_1..d_K];
-3. verification (sampling.verify) accepts a prefix of the drafts and emits the full
-   model's own next token; the rejected positions are trimmed from the cache.
-Greedy output is the full model's greedy output token for token; sampled output has
-the full model's distribution (rejection sampling).
+One step, with y the last emitted token (not yet in the cache):
+1. prompt lookup proposes the continuations of earlier occurrences of the context's tail, at no model cost;
+2. the fast stream (or a naive layer exit) drafts after the most likely end of those, or from y where nothing
+   matched, its first step also proposing its next most likely tokens beside its chain;
+3. the full model runs once on the tree (tree.py) and verification (sampling.verify_tree) accepts a path and
+   emits the full model's own next token; the rest is dropped from the cache.
+Greedy output is the full model's greedy output token for token; sampled output has its distribution.
+
+With ``policy="cost"`` the planner (policy.py) decides each step, from the costs and acceptance rates it
+measures while decoding, whether the fast stream drafts, how far, and which proposals are verified: only what is
+expected to beat plain decoding. ``policy="always"`` verifies every proposal (drafting as far as ``max_draft``
+and, for the fast stream, its confidence threshold allow): the fixed behaviour the planner is measured against.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from ..errors import M2R2Error
 from .generate import PromptCache, TokenEvent, start_decoding
-from .sampling import Sampling, sample_from, sampling_probs, verify
+from .policy import Acceptance, Planner, StepCosts
+from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs, verify_tree
+from .tree import DraftTree, supports_trees
+
+POLICIES = ("cost", "always")
+MAX_WIDTH = 8
 
 
-def speculative_generate(
-    model,
-    tokenizer,
-    prompt: Sequence[int],
-    drafter,
-    *,
-    cache: PromptCache | None = None,
-    max_tokens: int = 256,
-    max_draft: int = 6,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    context_length: int | None = None,
-    stats: dict | None = None,
-) -> Iterator[TokenEvent]:
-    """Draft-and-verify decoding; ``stats`` (if given) collects tokens produced per verification step."""
-    if seed is not None:
-        mx.random.seed(seed)
-    s = Sampling(temperature, top_p)
-    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length,
-                                           keep_states=drafter.keeps_states)
-    y = int(mx.argmax(logits).item()) if s.greedy else sample_from(sampling_probs(logits, s))
-    ev = events.event(y)
-    yield ev
-    accepted_lengths = [] if stats is None else stats.setdefault("accepted", [])
-    while not ev.finish_reason:
-        budget = events.max_tokens - events.n  # tokens still allowed, the verifier's own included
-        drafts, q = drafter.draft(cache, y, min(max_draft, budget - 1), s, events.eos_ids)
-        a, y_next = verify(cache.forward([y] + drafts), drafts, q, s)
-        cache.trim(len(drafts) - a)
-        accepted_lengths.append(a + 1)  # tokens this verification step produced
-        for t in drafts[:a]:
-            ev = events.event(t, exit_layer=drafter.exit_layer, drafted=True)
-            yield ev
-            if ev.finish_reason:
-                return
-        y = y_next
+class Speculator:
+    """Draft-and-verify decoding over ``model`` with one or two drafters (prompt lookup and/or a layer drafter).
+    One instance serves a whole conversation: the costs and acceptance rates it has learnt carry over."""
+
+    def __init__(self, model, tokenizer, drafters: Sequence, *, max_draft: int = 8, width: int = 1,
+                 policy: str = "cost", priors: dict[str, float] | None = None):
+        if policy not in POLICIES:
+            raise M2R2Error(f"unknown drafting policy {policy!r}; choose one of: {', '.join(POLICIES)}")
+        if max_draft < 1:
+            raise M2R2Error(f"the most drafted tokens per step must be at least 1 (got {max_draft})")
+        if not 1 <= width <= MAX_WIDTH:
+            raise M2R2Error(f"tree width must be in 1..{MAX_WIDTH} (got {width})")
+        self.model, self.tokenizer = model, tokenizer
+        self.lookup = next((d for d in drafters if d.kind == "lookup"), None)
+        self.layer = next((d for d in drafters if d.kind != "lookup"), None)
+        layers = model.model.layers if hasattr(model, "model") else model.layers
+        if width > 1 and not supports_trees(layers):
+            raise M2R2Error(f"{type(model).__module__} cannot verify draft trees (no rope on its attention); "
+                            "use tree width 1")
+        self.max_draft, self.width, self.policy = max_draft, width, policy
+        self.keeps_states = bool(self.layer and self.layer.keeps_states)
+        num_layers = len(layers)
+        self.exit_layers = sorted({d.exit_layer for d in drafters} | {num_layers})  # for legends
+        fraction = self.layer.exit_layer / num_layers if self.layer else 0.0
+        self.costs = StepCosts(draft_fraction=fraction)
+        self.acceptance = Acceptance(priors or {})
+        self.planner = Planner(self.costs, self.acceptance, max_nodes=max_draft * width)
+        self.status = "plain"  # the last step's plan, for the chat's side panel
+
+    @property
+    def name(self) -> str:
+        return " + ".join(d.name for d in (self.lookup, self.layer) if d is not None)
+
+    def __call__(self, prompt: Sequence[int], *, cache: PromptCache | None = None, max_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, seed: int | None = None, context_length: int | None = None,
+                 stats: dict | None = None) -> Iterator[TokenEvent]:
+        """Decode ``prompt``; ``stats`` (if given) collects tokens per verification step ("accepted") and the
+        accepted drafts per drafter ("drafted_by")."""
+        s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+        if seed is not None:
+            mx.random.seed(seed)
+        cache, logits, events = start_decoding(self.model, self.tokenizer, list(prompt), cache, max_tokens,
+                                               context_length, keep_states=self.keeps_states)
+        history = cache.tokens if s.reads_history else ()
+        if s.greedy:
+            y = int(mx.argmax(processed_logprobs(logits, s, history)).item())
+        else:
+            y = sample_from(sampling_probs(logits, s, history))
         ev = events.event(y)
         yield ev
+        accepted = [] if stats is None else stats.setdefault("accepted", [])
+        by_drafter = Counter() if stats is None else stats.setdefault("drafted_by", Counter())
+        if self.policy == "cost" and not self.costs.calibrated and not ev.finish_reason:
+            self._calibrate(cache, y)
+        while not ev.finish_reason:
+            tree = self._draft(cache, y, events.max_tokens - events.n - 1, s, events.eos_ids)
+            history = cache.tokens if s.reads_history else ()
+            tic = time.perf_counter()
+            path, y_next = verify_tree(cache.forward_tree(tree), tree, s, history)
+            self.costs.observe_verify(len(tree), time.perf_counter() - tic)
+            cache.commit(path, len(tree))
+            self._learn(tree, path)
+            accepted.append(len(path))
+            plan = self.status
+            for node in path[1:]:
+                source = "lookup" if "lookup" in tree.sources[node] else self.layer.kind
+                by_drafter[source] += 1
+                layer = 0 if source == "lookup" else self.layer.exit_layer
+                ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=plan)
+                yield ev
+                if ev.finish_reason:
+                    return
+            y = y_next
+            ev = events.event(y, plan=plan)
+            yield ev
+
+    # ---- one step --------------------------------------------------------------------------------
+    def _draft(self, cache: PromptCache, y: int, limit: int, s: Sampling, eos_ids) -> DraftTree:
+        """The tree to verify after ``y``; ``limit``: the most tokens a path may draft (the answer's budget)."""
+        tree = DraftTree.root(y)
+        limit = min(limit, self.max_draft)
+        if limit <= 0:
+            self.status = "plain"
+            return tree
+        if self.lookup is not None:
+            self.lookup.propose(tree, cache.tokens + [y], limit, eos_ids, self.width)
+        if self.layer is not None:
+            if self.policy == "always":
+                self.layer.propose(tree, cache, limit, s, eos_ids, self.width)
+            else:
+                self._draft_fast(tree, cache, limit, s, eos_ids)
+        if self.policy == "cost":
+            tree = tree.keep(self.planner.select(tree)[0])
+        self.status = self._describe(tree)
+        return tree
+
+    def _draft_fast(self, tree: DraftTree, cache: PromptCache, limit: int, s: Sampling, eos_ids) -> None:
+        """The fast stream continues after the deepest proposal worth verifying, or drafts from the root where
+        none is; only when the planner expects it to pay."""
+        chosen = self.planner.select(tree)[0]
+        reach = self.planner.reach(tree)
+        leaves = [n for n in chosen if not any(tree.parents[c] == n for c in chosen)]
+        anchor = max(leaves, key=lambda node: (reach[node], tree.depths[node]))  # the likeliest end
+        room = limit - tree.depths[anchor]
+        if room <= 0 or tree.tokens[anchor] in eos_ids:
+            return
+        if not self.planner.fast_pays(tree, anchor, self.layer.kind, room):
+            return
+        tic = time.perf_counter()
+        steps = self.layer.propose(tree, cache, room, s, eos_ids, self.width if anchor == 0 else 1,
+                                   go_on=self.planner.go_on(tree, self.layer.kind), after=anchor)
+        self.costs.observe_draft((time.perf_counter() - tic) / max(steps, 1))
+
+    def _learn(self, tree: DraftTree, path: list[int]) -> None:
+        """Each proposal whose parent was accepted was put to the test: count it for each drafter that made it."""
+        on_path = set(path)
+        for node in range(1, len(tree)):
+            if tree.parents[node] in on_path:
+                for kind in tree.sources[node]:
+                    self.acceptance.observe(kind, tree.depths[node], tree.signal.get((kind, node)), node in on_path)
+        self.acceptance.tick()
+
+    def _calibrate(self, cache: PromptCache, y: int) -> None:
+        """Time a one-token and an eight-token forward on this machine (the fastest of two, after a warm-up), so
+        that the first steps already weigh drafting against what it costs here; the cache is left as it was."""
+        states, times = cache.states, {1: [], 8: []}
+        for n in (1, 8, 1, 8, 1, 8):
+            tic = time.perf_counter()
+            mx.eval(cache.forward([y] * n))
+            times[n].append(time.perf_counter() - tic)
+            cache.trim(n)
+        cache.states = states
+        for n, ts in times.items():
+            self.costs.verify[n] = min(ts[1:])
+
+    def _describe(self, tree: DraftTree) -> str:
+        if len(tree) == 1:
+            return "plain"
+        counts = Counter(kind for node in range(1, len(tree)) for kind in tree.sources[node])
+        return " + ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
+
+
+def speculative_generate(model, tokenizer, prompt: Sequence[int], drafter, *, max_draft: int = 6, width: int = 1,
+                         policy: str = "always", **options) -> Iterator[TokenEvent]:
+    """Speculative decoding with one drafter, verifying all it proposes (``policy="always"``) or what the cost
+    model picks (``"cost"``); ``options`` as Speculator.__call__."""
+    return Speculator(model, tokenizer, [drafter], max_draft=max_draft, width=width, policy=policy)(prompt, **options)

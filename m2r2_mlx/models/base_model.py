@@ -8,13 +8,11 @@ embeddings. M2R2 drives those parts itself to read residual states at the gates.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
 from ..errors import M2R2Error
+from .identity import config_hash  # noqa: F401  (re-exported: adapters name a base by it)
 
 
 class BaseParts:
@@ -68,18 +66,6 @@ class BaseParts:
         for i in range(start, stop):
             h = self.layers[i](h, mask, cache=None if cache is None else cache[i])
         return h
-
-
-def config_hash(config: dict) -> str:
-    """A short, stable hash of the fields that define a base model's architecture."""
-    keys = sorted(
-        k
-        for k in config
-        if not k.startswith("_")
-        and k not in ("torch_dtype", "transformers_version", "quantization", "quantization_config")
-    )
-    blob = json.dumps({k: config[k] for k in keys}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 class SubsetHead:

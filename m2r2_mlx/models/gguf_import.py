@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 
 import gguf
-import mlx.core as mx
 import numpy as np
+from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
@@ -216,9 +216,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False)
     weights = gguf_weights_f32(reader, config)
 
     with atomic_folder(out_dir) as tmp:
-        mx.save_safetensors(
-            str(tmp / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}, metadata={"format": "mlx"}
-        )
+        # written with safetensors itself, not mlx: the PyTorch trainer imports GGUFs where mlx is not installed
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "import_info.json").write_text(json.dumps(fingerprint, indent=2))

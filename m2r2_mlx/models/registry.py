@@ -68,14 +68,20 @@ def _import_gguf_cached(gguf: Path, name: str) -> Path:
     return import_gguf(gguf, out, force=True)
 
 
-def _download(repo_id: str, asked: str) -> Path:
+def is_repo_id(name: str) -> bool:
+    return bool(_REPO_ID.match(name))
+
+
+def hub_snapshot(repo_id: str, patterns: list[str], what: str, flag: str) -> Path:
+    """A Hub repo's files (those matching ``patterns``) in the Hugging Face cache, downloaded once; one line
+    naming ``what`` was asked for and the ``flag`` that takes a local folder instead when that fails."""
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, gated repo, network errors: all one line
         why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise M2R2Error(
-            f"model {asked!r} ({repo_id}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-            f"and could not be downloaded ({why}); connect once to download it, or pass a local folder with --model"
+            f"{what} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and could not be downloaded "
+            f"({why}); connect once to download it, or pass a local folder with {flag}"
         ) from None
 
 
@@ -100,8 +106,8 @@ def resolve_model_path(name: str | None) -> Path:
         return path
     if target.startswith((".", "/", "~")) or target.count("/") > 1 or path.exists():
         raise M2R2Error(f"local model folder {path} not found; check the path (aliases: {', '.join(ALIASES)})")
-    if _REPO_ID.match(target):
-        return _download(target, name)
+    if is_repo_id(target):
+        return hub_snapshot(target, HUB_PATTERNS, f"model {name!r} ({target})", "--model")
     raise M2R2Error(
         f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), a local folder, or a Hugging Face repo id "
         "(owner/name)"
@@ -145,4 +151,11 @@ def load_model(name: str | None = None, *, tokenizer: bool = True) -> LoadedMode
             "a weight file may be truncated: delete the folder and download or import it again"
         ) from None
     config = json.loads((path / "config.json").read_text())
-    return LoadedModel(name or DEFAULT_MODEL, path, model, loaded_tokenizer, config)
+    return LoadedModel(canonical_name(name), path, model, loaded_tokenizer, config)
+
+
+def canonical_name(name: str | None) -> str:
+    """The name adapters record for their base (``m2r2_config.json``'s base_model): an alias in lower case
+    (``SmolLM2`` -> ``smollm2``), otherwise the name as given (a repo id, or a local path)."""
+    name = name or DEFAULT_MODEL
+    return name.lower() if name.lower() in ALIASES else name

@@ -1,0 +1,173 @@
+"""When drafting pays: the speculative engine's step costs and acceptance rates, learnt as it decodes.
+
+A verification forward over n positions costs c(n) seconds and a draft step of the fast stream d, both measured
+on the running machine. A drafted node is accepted with probability pi = the product, along its path, of each
+node's acceptance rate given its parent was accepted (per drafter, depth and signal: the fast stream's draft
+probability, lookup's matched n-gram length). A step that drafts for D seconds and verifies n nodes yields
+E = 1 + sum(pi) tokens in D + c(n) seconds. The planner adds nodes in order of pi while each raises E / time, and
+runs the fast stream only when the nodes it is expected to add pay for its draft steps. Plain decoding is the
+tree with the root alone, so drafting happens only where it is expected to beat it.
+
+Rates are Beta posteriors over counts that decay every step: estimates follow the text (a passage being copied,
+then new writing), and a drafter left unused grows uncertain until its optimistic estimate (mean + one standard
+deviation) pays again, when it is tried: exploration that costs little where a drafter keeps losing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .tree import DraftTree
+
+CONFIDENCE_EDGES = (0.1, 0.2, 0.4, 0.6, 0.8)  # fast-stream draft probability buckets
+
+
+class StepCosts:
+    """Seconds per verification forward (by positions verified) and per fast-stream draft step: an exponential
+    moving average per size; sizes not measured yet come from a least-squares line through those measured."""
+
+    def __init__(self, draft_fraction: float, smoothing: float = 0.2):
+        self.verify: dict[int, float] = {}
+        self.draft: float | None = None
+        self.draft_fraction = draft_fraction  # before any draft step is timed: that share of a one-token forward
+        self.smoothing = smoothing
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        self.verify[n] = self._ema(self.verify.get(n), seconds)
+
+    def observe_draft(self, seconds_per_step: float) -> None:
+        self.draft = self._ema(self.draft, seconds_per_step)
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.verify) >= 2
+
+    def verify_cost(self, n: int) -> float:
+        if n in self.verify:
+            return self.verify[n]
+        xs, ys = list(self.verify), list(self.verify.values())
+        if len(xs) < 2:
+            base = ys[0] if ys else 1.0
+            return base * (1 + 0.05 * (n - (xs[0] if xs else 1)))  # until a second size is timed
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+        return max(my + max(slope, 0.0) * (n - mx), 1e-6)
+
+    def draft_cost(self) -> float:
+        return self.draft if self.draft is not None else self.draft_fraction * self.verify_cost(1)
+
+
+def bucket(kind: str, signal: float | None) -> int:
+    """The signal's bucket: -1 when unknown (before drafting), else the fast stream's confidence bucket or
+    lookup's n-gram length (1, 2, 3+)."""
+    if signal is None:
+        return -1
+    if kind == "lookup":
+        return min(int(signal), 3)
+    return bisect.bisect_right(CONFIDENCE_EDGES, signal)
+
+
+@dataclass
+class Acceptance:
+    """Acceptance rate of each drafter's proposals by depth (1, 2, 3, 4+) and signal bucket."""
+
+    priors: dict[str, float]
+    strength: float = 2.0  # prior pseudo-observations
+    decay: float = 0.995  # per step: a count is worth half after ~140 steps
+    counts: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0]))  # key -> [accepted, proposed]
+
+    @staticmethod
+    def key(kind: str, depth: int, b: int) -> tuple:
+        return kind, min(depth, 4), b
+
+    def _posterior(self, kind: str, depth: int, signal: float | None) -> tuple[float, float]:
+        a, n = self.counts[self.key(kind, depth, bucket(kind, signal))]
+        if signal is not None and n < 1:  # a bucket barely seen: the depth's overall rate is the better guess
+            a, n = self.counts[self.key(kind, depth, -1)]
+        prior = self.priors.get(kind, 0.5)
+        alpha, beta = a + self.strength * prior, (n - a) + self.strength * (1 - prior)
+        mean = alpha / (alpha + beta)
+        return mean, math.sqrt(mean * (1 - mean) / (alpha + beta + 1))
+
+    def rate(self, kind: str, depth: int, signal: float | None = None) -> float:
+        return self._posterior(kind, depth, signal)[0]
+
+    def optimistic(self, kind: str, depth: int) -> float:
+        mean, std = self._posterior(kind, depth, None)
+        return min(mean + std, 1.0)
+
+    def observe(self, kind: str, depth: int, signal: float | None, accepted: bool) -> None:
+        for b in {bucket(kind, signal), -1}:
+            c = self.counts[self.key(kind, depth, b)]
+            c[0] += accepted
+            c[1] += 1
+
+    def tick(self) -> None:
+        for c in self.counts.values():
+            c[0] *= self.decay
+            c[1] *= self.decay
+
+
+class Planner:
+    """Chooses, each step, which proposals to verify and whether the fast stream drafts."""
+
+    def __init__(self, costs: StepCosts, acceptance: Acceptance, max_nodes: int):
+        self.costs, self.acceptance, self.max_nodes = costs, acceptance, max_nodes
+
+    def reach(self, tree: DraftTree) -> list[float]:
+        """pi per node: the probability that verification accepts it (1 for the root)."""
+        pi = [1.0]
+        for node in range(1, len(tree)):
+            rate = max(self.acceptance.rate(k, tree.depths[node], tree.signal.get((k, node)))
+                       for k in tree.sources[node])
+            pi.append(pi[tree.parents[node]] * rate)
+        return pi
+
+    def select(self, tree: DraftTree) -> tuple[list[int], float, float]:
+        """The nodes worth verifying (root first), the tokens they are expected to yield and the verification's
+        seconds: nodes join in order of pi while each raises tokens per second (a parent always before its
+        children). Time already spent drafting is spent either way, so it does not count."""
+        pi = self.reach(tree)
+        chosen, tokens, seconds = [0], 1.0, self.costs.verify_cost(1)
+        for node in sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i])):
+            if len(chosen) > self.max_nodes:
+                break
+            extra = self.costs.verify_cost(len(chosen) + 1) - self.costs.verify_cost(len(chosen))
+            if tree.parents[node] in chosen and pi[node] * seconds > tokens * extra:
+                chosen.append(node)
+                tokens += pi[node]
+                seconds += extra
+        return sorted(chosen), tokens, seconds
+
+    def fast_pays(self, tree: DraftTree, anchor: int, kind: str, limit: int) -> bool:
+        """Whether running the fast stream after node ``anchor`` (its chain drafted one step at a time) is expected
+        to raise tokens per second, on optimistic rates (so that an unused drafter is tried again in time)."""
+        chosen, tokens, seconds = self.select(tree)
+        reach = self.reach(tree)[anchor]
+        d = self.costs.draft_cost()
+        best_gain, pi, n = 0.0, reach, len(chosen)
+        gain_tokens, gain_seconds = 0.0, 0.0
+        for depth in range(1, limit + 1):
+            pi *= self.acceptance.optimistic(kind, tree.depths[anchor] + depth)
+            gain_tokens += pi
+            gain_seconds += d + self.costs.verify_cost(n + 1) - self.costs.verify_cost(n)
+            n += 1
+            best_gain = max(best_gain, (tokens + gain_tokens) / (seconds + gain_seconds) - tokens / seconds)
+        return best_gain > 0
+
+    def go_on(self, tree: DraftTree, kind: str):
+        """For LayerDrafter.propose: after a draft step proposed ``node``, whether another is expected to pay (on
+        the rate the draft's probability gives its node, and the next depth's overall rate)."""
+        def decide(node: int, confidence: float) -> bool:
+            chosen, tokens, seconds = self.select(tree)
+            pi = self.reach(tree)[node] * self.acceptance.rate(kind, tree.depths[node] + 1)
+            extra = self.costs.draft_cost() + self.costs.verify_cost(len(chosen) + 1) - self.costs.verify_cost(
+                len(chosen))
+            return pi * seconds > tokens * extra
+        return decide

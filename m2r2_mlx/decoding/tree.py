@@ -1,0 +1,149 @@
+"""Draft trees: several candidate continuations verified by the full model in one forward.
+
+Node 0 is the root: the last emitted token, not yet in the cache. Every other node is a drafted token whose
+parent precedes it, so a path from the root is an increasing list of node indices. Each parent lists its
+proposals in the order verification tries them: (child node, q), where q is the distribution the drafter
+sampled the child from, or None when it chose the child deterministically (lookup, greedy drafts, top-k).
+Two drafters proposing the same token share the child node (and its subtree) and keep one proposal each.
+
+One forward computes every node: node i sits at position offset + depth(i) (RoPE takes one position per node,
+through mx.fast.rope's per-batch offsets) and attends to the cache and to its own ancestors only (the tree
+mask). Afterwards ``commit`` keeps the accepted path's keys and values, moved into consecutive positions, and
+drops the rest: the cache ends exactly as if the path had been decoded one token at a time.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    sources: list[set[str]]  # which drafters proposed the node (empty for the root)
+    proposals: list[list[tuple[int, mx.array | None]]] = field(default_factory=list)
+    # (drafter, node) -> what the drafter knew of the node when proposing it: the fast stream's draft probability,
+    # the length of the n-gram prompt lookup matched
+    signal: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    @classmethod
+    def root(cls, token: int) -> "DraftTree":
+        return cls([int(token)], [-1], [0], [set()], [[]])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def drafted(self) -> int:
+        return len(self.tokens) - 1
+
+    def child(self, parent: int, token: int) -> int | None:
+        for node, _ in self.proposals[parent]:
+            if self.tokens[node] == token:
+                return node
+        return None
+
+    def add(self, parent: int, token: int, source: str, q: mx.array | None = None) -> int:
+        """Propose ``token`` after node ``parent``; returns its node (an existing one for a token already there)."""
+        node = self.child(parent, token)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.sources.append(set())
+            self.proposals.append([])
+        if q is not None or not any(n == node and pq is None for n, pq in self.proposals[parent]):
+            self.proposals[parent].append((node, q))  # a second deterministic proposal of a node adds nothing
+        self.sources[node].add(source)
+        return node
+
+    def add_chain(self, parent: int, tokens: Sequence[int], source: str) -> list[int]:
+        nodes = []
+        for t in tokens:
+            parent = self.add(parent, t, source)
+            nodes.append(parent)
+        return nodes
+
+    def children(self, node: int) -> list[int]:
+        return list(dict.fromkeys(n for n, _ in self.proposals[node]))
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def keep(self, nodes: Sequence[int]) -> "DraftTree":
+        """The subtree made of ``nodes`` (closed under parents, root included), renumbered in the same order."""
+        keep = sorted(set(nodes) | {0})
+        index = {old: new for new, old in enumerate(keep)}
+        out = DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
+                        [self.depths[i] for i in keep], [set(self.sources[i]) for i in keep],
+                        [[(index[n], q) for n, q in self.proposals[i] if n in index] for i in keep])
+        out.signal = {(src, index[n]): v for (src, n), v in self.signal.items() if n in index}
+        return out
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def mask(self, offset: int) -> mx.array:
+        """(N, offset + N) booleans: every node sees the cache and its own ancestors (itself included)."""
+        n = len(self)
+        ancestors = [[False] * n for _ in range(n)]
+        for i in range(n):
+            for j in self.path(i):
+                ancestors[i][j] = True
+        return mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
+
+
+class _TreeRoPE:
+    """An attention's rotary embedding at per-node positions offset + depth: each node becomes its own batch
+    entry (mx.fast.rope takes one offset per batch entry), so any RoPE variant of mlx-lm serves unchanged."""
+
+    def __init__(self, rope, depths: mx.array):
+        self.rope, self.depths = rope, depths
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        return self.rope(x.transpose(2, 1, 0, 3), offset=offset + self.depths).transpose(2, 1, 0, 3)
+
+
+def supports_trees(layers) -> bool:
+    """Tree verification needs each layer's attention to apply its RoPE through a ``rope`` attribute."""
+    return all(hasattr(getattr(layer, "self_attn", None), "rope") for layer in layers)
+
+
+@contextmanager
+def tree_positions(layers, depths: Sequence[int]) -> Iterator[None]:
+    """While building a tree forward's graph, every attention rotates node i to position offset + depths[i]."""
+    attns = [layer.self_attn for layer in layers]
+    ropes = [a.rope for a in attns]
+    d = mx.array(list(depths), dtype=mx.int32)
+    try:
+        for a, r in zip(attns, ropes):
+            a.rope = _TreeRoPE(r, d)
+        yield
+    finally:
+        for a, r in zip(attns, ropes):
+            a.rope = r
+
+
+def keep_positions(layer_cache, start: int, kept: Sequence[int], total: int) -> None:
+    """Of the ``total`` positions written at ``start``, keep those at offsets ``kept`` (increasing), moved to
+    start, start+1, ...; drop the rest. Works on mlx-lm's KVCache and QuantizedKVCache."""
+    if list(kept) != list(range(len(kept))):
+        idx = mx.array([start + k for k in kept])
+        for name in ("keys", "values"):
+            arrays = getattr(layer_cache, name)
+            for a in arrays if isinstance(arrays, tuple) else (arrays,):
+                a[..., start:start + len(kept), :] = a[..., idx, :]
+    layer_cache.trim(total - len(kept))

@@ -1,0 +1,92 @@
+"""m2r2-server: an OpenAI-compatible HTTP server for M2R2 decoding, in the manner of mlx_lm.server.
+
+    m2r2-server                                         # the embedded SmolLM2-135M on http://127.0.0.1:8080/v1
+    m2r2-server --mode speculative --port 8000          # speculative decoding unless a request asks otherwise
+    m2r2-server --adapters owner/repo                   # Hub adapters; their base model is the model
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream": true for server-sent events),
+GET /v1/models, GET /health. A request picks its decoding with extra fields ("mode", "tau", "draft", ...);
+the flags below are the defaults. Details: docs/server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from functools import partial
+
+import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
+from m2r2_mlx.core.hub import resolve_model_and_adapters
+from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.models.blas import blas_info
+from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
+
+from tui.options import BY_DEST, add_options, check_options
+
+from .handler import Server
+from .worker import ModelWorker
+
+log = logging.getLogger("m2r2-server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="m2r2-server", description="Serve a model over OpenAI's HTTP API with M2R2 "
+                                "decoding (early exit, lossless speculative decoding), every mode per request.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
+    p.add_argument("--model", default=None,
+                   help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
+                   f"the base the --adapters name, else {DEFAULT_MODEL}, embedded)")
+    p.add_argument("--adapters", "--adapter-path", default=None,
+                   help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the "
+                   "embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for the model; more are answered 503 (default: 16)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="what the server logs to stderr (default: INFO: one line per request)")
+    add_options(p)
+    return p
+
+
+def defaults_from(args: argparse.Namespace) -> dict:
+    """The decoding options a request gets for the fields it leaves out."""
+    return {o: getattr(args, o) for o in BY_DEST}
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    check_options(vars(args))
+    if args.max_queue < 1:
+        raise M2R2Error(f"--max-queue must be at least 1 (got {args.max_queue})")
+    if not 0 <= args.port <= 65535:
+        raise M2R2Error(f"--port must be in 0..65535 (got {args.port})")
+    # names first: a mode without adapters, or a bad name, fails before any download
+    model, adapters = resolve_model_and_adapters(args.model, args.adapters, args.mode)
+    resolve_model_path(model)  # downloads or imports once, with progress, before the model thread starts
+    worker = ModelWorker(partial(load_model, model), adapters, defaults_from(args), args.max_queue)
+    lm = worker.start()
+    try:
+        server = Server((args.host, args.port), worker, defaults_from(args), lm.name)
+    except OSError as e:
+        raise M2R2Error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
+    host, port = server.server_address[:2]
+    modes = "all modes" if adapters else "plain, layerskip and lookup (no adapters for this model)"
+    print(f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS) "
+          f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        worker.stop()
+    return 0
+
+
+def main() -> None:
+    sys.exit(run_cli("m2r2-server", _main))
+
+
+if __name__ == "__main__":
+    main()

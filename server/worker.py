@@ -1,0 +1,176 @@
+"""The model thread: every MLX call of the server runs here, one request at a time, in arrival order.
+
+Requests share one prompt cache, as a chat's turns do (ChatSession): each prefills only what the cache lacks
+(the longest common prefix is reused, a divergent tail trimmed). A job whose client has gone is skipped, or its
+decoding closed between two tokens; closing the decode generator leaves the cache consistent, as the chat's
+cancel does. Decoders are built per request from its options and kept for the next requests that ask the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from m2r2_mlx.core.hub import ADAPTER_MODES
+from m2r2_mlx.decoding.chat import ChatSession
+from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.generate import check_context
+from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.models.registry import LoadedModel
+
+from tui.options import decoder_options, generation_options
+
+from .protocol import Request, RequestError, StopMatcher
+
+log = logging.getLogger("m2r2-server")
+KEEP_DECODERS = 4  # decoders kept built (each holds its adapters' weights): the modes a server is asked for
+
+
+@dataclass
+class Piece:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    stats: AnswerStats
+    mode: str
+
+
+@dataclass
+class Failed:
+    error: RequestError
+
+
+class Job:
+    """One request on its way through the model thread; the HTTP thread reads ``items`` (Piece..., then Done or
+    Failed) and sets ``cancelled`` when its client goes away."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.items: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+
+
+class ModelWorker:
+    def __init__(self, load: Callable[[], LoadedModel], adapters: Path | None, defaults: dict, max_queue: int = 16):
+        self.load, self.adapters, self.defaults = load, adapters, defaults
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.lm: LoadedModel | None = None
+        self.session: ChatSession | None = None
+        self.decoders: OrderedDict[tuple, Callable] = OrderedDict()
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="mlx", daemon=True)
+
+    # ---- life cycle -----------------------------------------------------------------------------------
+    def start(self) -> LoadedModel:
+        """Load the model on the model thread; raise what loading raised (a bad name, a damaged folder)."""
+        self.thread.start()
+        self.ready.wait()
+        if self.load_error is not None:
+            raise self.load_error
+        return self.lm
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            self.lm = self.load()
+            self.session = ChatSession(self.lm)  # its prompt cache and chat template serve every request
+            self.decoder(self.defaults)  # the default mode's adapters load now, not on the first request
+        except BaseException as e:  # reported by start(), on the caller's thread
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._serve(job)
+            except RequestError as e:
+                job.items.put(Failed(e))
+            except M2R2Error as e:
+                job.items.put(Failed(RequestError(str(e))))
+            except Exception as e:  # a bug: the request fails with a 500, the server goes on
+                log.error("request %s failed:\n%s", job.request.id, traceback.format_exc())
+                job.items.put(Failed(RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
+                                                  kind="server_error")))
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Job:
+        """Queue a request; 503 when ``max_queue`` requests already wait."""
+        if request.options["mode"] in ADAPTER_MODES and self.adapters is None:
+            raise RequestError(
+                f"mode {request.options['mode']!r} needs M2R2 adapters and this server has none for its model; "
+                "start m2r2-server with --adapters DIR or a Hub repo id (modes without adapters: plain, layerskip, "
+                "lookup)", "mode")
+        job = Job(request)
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise RequestError(f"the server is busy ({self.jobs.maxsize} requests waiting); retry later",
+                               status=503, kind="server_error") from None
+        return job
+
+    def decoder(self, options: dict) -> Callable:
+        """The decoder the options name, built once and kept (the last KEEP_DECODERS)."""
+        key = (options["mode"], *sorted(decoder_options(options).items()))
+        if key not in self.decoders:
+            self.decoders[key] = make_decoder(self.lm, options["mode"], self.adapters, **decoder_options(options))
+            while len(self.decoders) > KEEP_DECODERS:
+                self.decoders.popitem(last=False)
+        self.decoders.move_to_end(key)
+        return self.decoders[key]
+
+    def prompt_tokens(self, req: Request) -> list[int]:
+        if req.kind == "chat":
+            self.session.messages = req.messages
+            return self.session.prompt_tokens()
+        if isinstance(req.prompt, list):
+            vocab = int(self.lm.config.get("vocab_size") or 0)
+            if vocab and max(req.prompt) >= vocab:
+                raise RequestError(f"'prompt' holds token ids beyond the vocabulary ({vocab} tokens)", "prompt")
+            return list(req.prompt)
+        return list(self.lm.tokenizer.encode(req.prompt))
+
+    def _serve(self, job: Job) -> None:
+        req = job.request
+        prompt = self.prompt_tokens(req)
+        check_context(len(prompt), self.lm.context_length)
+        decode = self.decoder(req.options)
+        stats, stops, finish = AnswerStats(), StopMatcher(req.stop), None
+        stream = decode(prompt, cache=self.session.cache, context_length=self.lm.context_length,
+                        **generation_options(req.options))
+        try:
+            for ev in stream:
+                stats.add(ev)
+                text = stops.feed(ev.text)
+                if text:
+                    job.items.put(Piece(text))
+                if stops.stopped:
+                    finish = "stop"
+                elif ev.finish_reason:
+                    finish = ev.finish_reason
+                if finish or job.cancelled.is_set():
+                    break
+        finally:
+            stream.close()  # also when cancelled: the cache keeps only what was computed, and knows it
+        if job.cancelled.is_set():
+            log.info("request %s cancelled after %d tokens (client gone)", req.id, stats.tokens)
+            return
+        if not stops.stopped and (rest := stops.flush()):
+            job.items.put(Piece(rest))
+        job.items.put(Done(finish or "length", stats, req.options["mode"]))
+        log.info("request %s: %s, %s", req.id, req.options["mode"], stats.summary())

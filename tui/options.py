@@ -1,0 +1,101 @@
+"""Decoding options, declared once for every place that takes them: m2r2-chat's and m2r2-server's flags (with
+mlx-lm's and llama.cpp's names as aliases), the server's per-request JSON fields, and their checks.
+
+Each Option says whether it builds the decoder (mode, gate, tau...: ``make_decoder``'s arguments) or is handed
+to each decoding call (max_tokens, temperature...: ``generation``). A new sampling option is one more row.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
+from m2r2_mlx.errors import M2R2Error
+
+
+@dataclass(frozen=True)
+class Option:
+    dest: str  # the argparse destination, also the key of an options dict
+    flags: tuple[str, ...]  # the first long one names it in error lines
+    type: type
+    default: Any
+    help: str
+    fields: tuple[str, ...] = ()  # the server's request fields that set it (OpenAI's names first); () = none
+    valid: Callable[[Any], bool] | None = None
+    rule: str = ""  # what ``valid`` asks, for the error line
+    generation: bool = False  # passed to each decoding call rather than to make_decoder
+    kwarg: str = ""  # its keyword there, when it differs from ``dest``
+
+    @property
+    def flag(self) -> str:
+        return next(f for f in self.flags if f.startswith("--"))
+
+    def check(self, value, name: str) -> None:
+        if value is not None and self.valid is not None and not self.valid(value):
+            raise M2R2Error(f"{name} {self.rule} (got {value})")
+
+
+OPTIONS = (
+    Option("mode", ("--mode",), str, "plain",
+           "; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)",
+           ("mode",), lambda v: v in MODES, f"must be one of: {', '.join(MODES)}"),
+    Option("gate", ("--gate",), int, None, "exit layer that drafts come from (default: the adapters' first gate)",
+           ("gate",), lambda v: v >= 1, "must be a layer count of at least 1"),
+    Option("draft", ("--draft", "--num-draft-tokens", "--draft-max"), int, DEFAULT_DRAFT,
+           f"most drafted tokens per verification step (default: {DEFAULT_DRAFT})",
+           ("draft", "num_draft_tokens"), lambda v: v >= 1, "must be at least 1", kwarg="max_draft"),
+    Option("threshold", ("--threshold", "--draft-p-min"), float, DEFAULT_THRESHOLD,
+           f"stop drafting when a draft's probability falls below this (default: {DEFAULT_THRESHOLD}; 0 = never)",
+           ("threshold", "draft_p_min"), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    Option("draft_vocab", ("--draft-vocab",), int, None,
+           f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} where the "
+           "adapters have draft_vocab.json; 0 = the full LM head)",
+           ("draft_vocab",), lambda v: v >= 0, "must be 0 (the full head) or a positive count"),
+    Option("tau", ("--tau",), float, 0.9,
+           "early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute they "
+           "still save (default: 0.9)", ("tau",), lambda v: 0 <= v <= 1.5,
+           "must be in [0, 1] (above 1 never exits)"),
+    Option("flat_tau", ("--flat-tau",), bool, False, "early exit: the same --tau at every gate", ("flat_tau",)),
+    Option("max_tokens", ("-m", "--max-tokens"), int, 512, "most tokens per answer (default: 512)",
+           ("max_completion_tokens", "max_tokens"), lambda v: v >= 1, "must be at least 1", generation=True),
+    Option("temp", ("--temp", "--temperature"), float, 0.0, "sampling temperature; 0 = greedy (default: 0)",
+           ("temperature",), lambda v: v >= 0, "must be 0 (greedy) or positive", generation=True,
+           kwarg="temperature"),
+    Option("top_p", ("--top-p",), float, 1.0, "nucleus sampling mass (default: 1.0 = off)",
+           ("top_p",), lambda v: 0 < v <= 1, "must be in (0, 1]", generation=True),
+    Option("seed", ("--seed",), int, None, "random seed for sampling", ("seed",), generation=True),
+)
+BY_DEST = {o.dest: o for o in OPTIONS}
+
+
+def add_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    for o in OPTIONS:
+        if o.dest in skip:
+            continue
+        if o.type is bool:
+            parser.add_argument(*o.flags, dest=o.dest, action="store_true", help=o.help)
+        else:
+            parser.add_argument(*o.flags, dest=o.dest, type=o.type, default=o.default, help=o.help,
+                                choices=MODES if o.dest == "mode" else None)
+
+
+def check_options(values: dict, names: str = "flag") -> None:
+    """One line for the first value out of range, naming it as a flag (``names="flag"``) or a request field."""
+    for o in OPTIONS:
+        if o.dest in values:
+            o.check(values[o.dest], o.flag if names == "flag" else (o.fields or (o.dest,))[0])
+
+
+def decoder_options(values: dict) -> dict:
+    """make_decoder's keyword arguments (besides the model and adapters)."""
+    out = {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if not o.generation and o.dest in values}
+    out["scaled_tau"] = not out.pop("flat_tau", False)
+    out.pop("mode", None)
+    return out
+
+
+def generation_options(values: dict) -> dict:
+    """Each decoding call's keyword arguments (max_tokens, temperature...)."""
+    return {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if o.generation and o.dest in values}
