@@ -30,9 +30,10 @@ from ..atomic import atomic_folder
 from ..core.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters, widen_adapters
 from ..core.arla import ARLA
 from ..core.draft_vocab import rank_tokens, save_draft_vocab
+from ..core.hub import upload_adapters
 from ..errors import M2R2Error, run_cli
 from ..models.blas import blas_info
-from ..models.registry import load_model
+from ..models.registry import is_repo_id, load_model
 from .cpu_kernels import fast_kernels
 from .data import DATA_CACHE, DISTILL_LOG, load_rows, mask_path
 from .evaluate import gate_agreement
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="m2r2-train", description="Train M2R2 accelerator adapters on a frozen base model."
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     p.add_argument(
         "--model", default=None, help="base model: alias, repo id, folder or .gguf (default: embedded smollm2)"
     )
@@ -85,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
-    p.add_argument(
-        "--top-k", type=int, default=16, help="distil over the union of the teacher's top-k tokens (default 16)"
-    )
+    # distillation's temperature and top-k, named apart from decoding's sampling flags (old names kept)
+    p.add_argument("--distill-temp", "--temperature", dest="temperature", type=float, default=1.0,
+                   help="distillation temperature (default 1.0)")
+    p.add_argument("--distill-top-k", "--top-k", dest="top_k", type=int, default=16,
+                   help="distil over the union of the teacher's top-k tokens (default 16)")
     p.add_argument("--align", type=float, default=1.0, help="weight of the cosine alignment term")
     p.add_argument(
         "--loss-on",
@@ -106,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--upload-repo", metavar="OWNER/NAME",
+                   help="after training, upload the adapters folder to this Hugging Face Hub model repo (created if "
+                   "needed; log in with `hf auth login` or set HF_TOKEN)")
+    p.add_argument("--private", action="store_true", help="with --upload-repo: create the repo private")
     p.add_argument(
         "--exact-kernels",
         action="store_true",
@@ -407,7 +414,12 @@ def draft_vocab_from(rows: np.ndarray, out: Path, lm) -> list[int]:
 
 def _main() -> int:
     args = build_parser().parse_args()
-    train(args)
+    if args.upload_repo and not is_repo_id(args.upload_repo):  # before hours of training, not after
+        raise M2R2Error(f"--upload-repo {args.upload_repo!r} is not a Hub repo id; name it as owner/name")
+    out = train(args)
+    if args.upload_repo and args.stage != "data":
+        url = upload_adapters(out, args.upload_repo, private=args.private)
+        print(f"uploaded {out} to {url} (try: m2r2-chat --adapters {args.upload_repo} --mode speculative)")
     return 0
 
 
