@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
+from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.errors import M2R2Error
+
+REPETITION_CONTEXT = Sampling.repetition_context_size  # mlx-lm's default too
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,20 @@ OPTIONS = (
            kwarg="temperature"),
     Option("top_p", ("--top-p",), float, 1.0, "nucleus sampling mass (default: 1.0 = off)",
            ("top_p",), lambda v: 0 < v <= 1, "must be in (0, 1]", generation=True),
+    # mlx-lm's sampler and logits processors (decoding/sampling.py); request fields as vLLM, mlx_lm.server and
+    # llama.cpp's server name them (OpenAI's API has none)
+    Option("top_k", ("--top-k",), int, 0, "sample from the k most likely tokens only (default: 0 = off)",
+           ("top_k",), lambda v: v >= 0, "must be 0 (off) or a positive count", generation=True),
+    Option("min_p", ("--min-p",), float, 0.0,
+           "drop tokens less likely than this share of the most likely one's probability (default: 0 = off)",
+           ("min_p",), lambda v: 0 <= v <= 1, "must be in [0, 1]", generation=True),
+    Option("repetition_penalty", ("--repetition-penalty", "--repeat-penalty"), float, 1.0,
+           "divide the logits of tokens seen in the last --repetition-context-size tokens by this (default: 1 = "
+           "off; 1.1 keeps small models out of loops)", ("repetition_penalty", "repeat_penalty"),
+           lambda v: 0 < v < float("inf"), "must be positive (1 = off)", generation=True),
+    Option("repetition_context_size", ("--repetition-context-size", "--repeat-last-n"), int, REPETITION_CONTEXT,
+           f"tokens the repetition penalty looks back over (default: {REPETITION_CONTEXT})",
+           ("repetition_context_size", "repeat_last_n"), lambda v: v >= 1, "must be at least 1", generation=True),
     Option("seed", ("--seed",), int, None, "random seed for sampling", ("seed",), generation=True),
 )
 BY_DEST = {o.dest: o for o in OPTIONS}
@@ -98,4 +115,7 @@ def decoder_options(values: dict) -> dict:
 
 def generation_options(values: dict) -> dict:
     """Each decoding call's keyword arguments (max_tokens, temperature...)."""
-    return {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if o.generation and o.dest in values}
+    out = {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if o.generation and o.dest in values}
+    if out.get("repetition_context_size") == REPETITION_CONTEXT:  # the decoders' own default: nothing to pass
+        del out["repetition_context_size"]
+    return out
