@@ -1,7 +1,7 @@
 """PyTorch-trained adapters -> an MLX adapters folder: name mapping, validation against the base, writing.
 
 Two source layouts (docs/convert.md):
-  m2r2-pytorch  this project's own names (convert/torch_reference.py): ``adapters.{i}.down.weight``,
+  m2r2-pytorch  this project's own names (m2r2_torch/modules.py): ``adapters.{i}.down.weight``,
                 ``arla.proj.weight``, ... exactly the MLX parameter names;
   peft-lora     a PEFT LoRA checkpoint (convert/peft.py), which becomes the "lora" adapter form.
 

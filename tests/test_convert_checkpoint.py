@@ -1,9 +1,9 @@
 """m2r2-convert checkpoint: PyTorch-trained adapters give the same fast stream in MLX.
 
-A tiny llama is saved as an mlx-lm folder (the --base) and copied into a PyTorch
-twin (convert/torch_reference.py). Random adapters trained "in PyTorch" are saved
-in each supported layout, converted through the CLI, and the MLX exits at every
-gate are compared with the PyTorch reference forward.
+A tiny random transformers llama is saved as a model folder (the --base), which MLX loads too. Random
+adapters made "in PyTorch" (m2r2_torch.modules, the trainer's own modules) are saved in each supported
+layout, converted through the CLI, and the MLX exits at every gate are compared with the PyTorch fast
+stream's (m2r2_torch.fast_stream) over the transformers model.
 """
 
 import json
@@ -15,23 +15,23 @@ from pathlib import Path
 
 from m2r2_mlx.core.adapters import load_adapters
 from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.models.registry import load_model
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from .tiny import CONFIGS, tiny_model
-
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402  (after the skip: needs torch)
 
-from convert import torch_reference as ref  # noqa: E402
 from convert.checkpoint import plan_conversion  # noqa: E402
 from convert.cli import parse_args  # noqa: E402
 from convert.peft import to_m2r2_name, to_peft_name  # noqa: E402
 from convert.sources import read_checkpoint  # noqa: E402
+from m2r2_torch.fast_stream import M2R2Torch  # noqa: E402
+from m2r2_torch.modules import M2R2Adapters, new_lora_deltas  # noqa: E402
+
+from .torch_tiny import tiny_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GATES = [2, 4]
@@ -65,13 +65,9 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> No
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """(folder, MLX model loaded from it, PyTorch twin with the same weights)."""
+    """(folder, MLX model loaded from it, the transformers model saved there: the same weights)."""
     folder = tmp_path_factory.mktemp("tiny-llama")
-    (folder / "config.json").write_text(json.dumps(CONFIGS["llama"]))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(tiny_model("llama").model.parameters())))
-    lm = load_model(str(folder), tokenizer=False)
-    twin = ref.LlamaReference(CONFIGS["llama"])
-    twin.load_state_dict({k: torch.tensor(np.array(v)) for k, v in tree_flatten(lm.model.model.parameters())})
+    twin, lm = tiny_hf("llama", folder)
     return folder, lm, twin
 
 
@@ -85,17 +81,20 @@ def mlx_exits(m2r2):
 
 
 @torch.no_grad()
-def torch_exits(twin, adapters=None, deltas=None):
-    states, _, kv = ref.slow_pass(twin.layers, twin.embed_tokens(torch.tensor(IDS)), GATES)
-    fast = ref.fast_states(twin.layers, states, kv, GATES, adapters, deltas)
-    return [twin.head(h).numpy() for h in fast], fast
+def torch_exits(twin, config, module=None):
+    """Exit logits at every gate of the PyTorch fast stream with ``module`` (M2R2Adapters; None: fresh ones,
+    which compute the plain fast stream)."""
+    model = M2R2Torch(twin, config, module)
+    states, _, kv = model.slow_pass(torch.tensor(IDS))
+    fast = model.fast_states(states, kv)
+    return [model.parts.head(h).numpy() for h in fast], fast
 
 
-def test_reference_llama_equals_mlx_lm(base):
+def test_transformers_llama_equals_mlx_lm(base):
     _, lm, twin = base
     with torch.no_grad():
-        _, final, _ = ref.slow_pass(twin.layers, twin.embed_tokens(torch.tensor(IDS)), GATES)
-        np.testing.assert_allclose(twin.head(final).numpy(), np.array(lm.model(mx.array(IDS))), atol=1e-4)
+        np.testing.assert_allclose(twin(torch.tensor(IDS)).logits.numpy(), np.array(lm.model(mx.array(IDS))),
+                                   atol=1e-4)
 
 
 # ---- own layout: bottleneck adapters + ARLA ---------------------------------------------
@@ -104,17 +103,17 @@ def test_reference_llama_equals_mlx_lm(base):
 def random_adapters(dims=64, rank=RANK, gates=GATES, arla_dim=ARLA_DIM, std=0.1, seed=0, arla_exit_stats=True):
     """PyTorch adapters with every weight random, ``up`` included (a fresh ``up`` is zero)."""
     torch.manual_seed(seed)
-    module = ref.M2R2Adapters(dims, rank, gates, arla_dim, arla_exit_stats)
+    module = M2R2Adapters(dims, rank, gates, arla_dim, arla_exit_stats)
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.copy_(torch.randn_like(p) * std + (1.0 if name.endswith("norm.weight") else 0.0))
     return module
 
 
-def assert_same_exits(m2r2, twin, adapters=None, deltas=None, atol=1e-4):
+def assert_same_exits(m2r2, twin, module, atol=1e-4):
     got, fast = mlx_exits(m2r2)
-    want, torch_fast = torch_exits(twin, adapters, deltas)
-    plain, _ = torch_exits(twin)
+    want, torch_fast = torch_exits(twin, m2r2.config, module)
+    plain, _ = torch_exits(twin, m2r2.config)
     for j, (g, w, p) in enumerate(zip(got, want, plain)):
         assert np.abs(w - p).max() > 1e-2, "the adapters should move the exits"
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-4, err_msg=f"gate {GATES[j]}")
@@ -152,7 +151,7 @@ def test_state_dict_converts_to_the_same_exits_and_arla(base, tmp_path):
         True,
     )
     assert cfg.base_model == str(folder) and cfg.extra["source_layout"] == "m2r2-pytorch"
-    fast, torch_fast = assert_same_exits(m2r2, twin, module.adapters)
+    fast, torch_fast = assert_same_exits(m2r2, twin, module)
     assert_same_arla(m2r2, module, fast, torch_fast)
 
 
@@ -171,7 +170,7 @@ def test_per_interval_ranks_are_read_from_the_shapes(base, tmp_path):
     assert r.returncode == 0, r.stderr
     m2r2 = load_adapters(lm, tmp_path / "out")
     assert m2r2.config.adapter_rank == [RANK * 2, RANK]
-    assert_same_exits(m2r2, twin, module.adapters)
+    assert_same_exits(m2r2, twin, module)
 
 
 def test_other_file_layouts_give_the_same_weights(base, tmp_path):
@@ -188,7 +187,7 @@ def test_other_file_layouts_give_the_same_weights(base, tmp_path):
     assert {r[3] for r in conv.rows()} == {"bfloat16"}
     rounded = random_adapters(seed=1)
     rounded.load_state_dict({k: v.to(torch.bfloat16).to(torch.float32) for k, v in state.items()})
-    assert_same_exits(load_adapters(lm, tmp_path / "bf16"), twin, rounded.adapters)
+    assert_same_exits(load_adapters(lm, tmp_path / "bf16"), twin, rounded)
 
     # shards behind an index (pytorch_model.bin.index.json style)
     shards = tmp_path / "sharded"
@@ -220,29 +219,20 @@ def test_other_file_layouts_give_the_same_weights(base, tmp_path):
 # ---- PEFT LoRA ------------------------------------------------------------------------------
 
 
-def random_lora(twin, rank=RANK, alpha=8, seed=2, layers=GATES[-1]):
+def random_lora(twin, rank=RANK, alpha=8, seed=2, layers=GATES[-1]) -> M2R2Adapters:
+    """LoRA-form adapters with every weight random (``lora_b`` nonzero too) on the first ``layers`` layers."""
     torch.manual_seed(seed)
-    deltas = []
-    for i in range(layers):
-        layer = {}
-        for path in LLAMA_TARGETS:
-            linear = twin.layers[i].get_submodule(path)
-            d = ref.LoRADelta(linear.in_features, linear.out_features, rank, alpha / rank)
-            with torch.no_grad():
-                for p in d.parameters():
-                    p.copy_(torch.randn_like(p) * 0.1)  # lora_B nonzero too
-            layer[path] = d
-        deltas.append(layer)
-    return deltas
+    targets = sorted({p.split(".")[-1] for p in LLAMA_TARGETS})
+    deltas = new_lora_deltas(twin.model.layers[:layers], targets, rank, alpha / rank)
+    with torch.no_grad():
+        for p in deltas.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    return M2R2Adapters(twin.config.hidden_size, rank, GATES, lora=deltas)
 
 
-def peft_state(deltas) -> dict:
-    state = {}
-    for i, layer in enumerate(deltas):
-        for path, d in layer.items():
-            state[to_peft_name(f"lora.{i}.{path}.lora_a.weight")] = d.lora_A.weight.detach().clone()
-            state[to_peft_name(f"lora.{i}.{path}.lora_b.weight")] = d.lora_B.weight.detach().clone()
-    return state
+def peft_state(module: M2R2Adapters) -> dict:
+    """The LoRA deltas under PEFT's names (base_model.model.model.layers.N.<path>.lora_A.weight)."""
+    return {to_peft_name(k): v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def write_peft(folder: Path, deltas, fmt="safetensors", **config) -> Path:
@@ -287,7 +277,7 @@ def test_peft_lora_converts_to_the_same_exits(base, tmp_path):
     cfg = m2r2.config
     assert cfg.adapter_form == "lora" and cfg.lora_scale == 2.0 and cfg.adapter_rank == RANK
     assert set(cfg.lora_targets) == {p.split(".")[-1] for p in LLAMA_TARGETS}
-    assert_same_exits(m2r2, twin, deltas=deltas)
+    assert_same_exits(m2r2, twin, deltas)
     # the slow stream stays the base, exactly
     assert mx.array_equal(m2r2.base(mx.array(IDS)), lm.model(mx.array(IDS))).item()
 
