@@ -1,0 +1,3 @@
+"""The PyTorch side of m2r2: M2R2's modules (modules), its fast stream over a transformers causal LM (fast_stream),
+the base found by m2r2's model names (base), batched generation (generate) and the trainer for GPUs, one or many
+(train: m2r2-train-torch). Needs torch and transformers (pip install 'm2r2-mlx[train]'); mlx is optional."""
