@@ -2,9 +2,11 @@
 
 A tiny 12-token model makes the exact distribution of the first three answer tokens
 computable (1,728 outcomes). Speculative sampling with M2R2 drafts (q != p; also with a
-confidence threshold that drops unsure drafts) and with prompt-lookup drafts must match it
-within the sampling noise of N draws; a verifier that skips the rejection step must not
-(the test can fail).
+confidence threshold that drops unsure drafts), with prompt-lookup drafts, and with draft trees
+(lookup and the fast stream together, the fast stream's top-k beside its sample, chosen by the
+cost planner or not) must match it within the sampling noise of N draws, also under top-k,
+min-p and a repetition penalty (whose target depends on each row's history); a verifier that
+skips the rejection step must not (the test can fail).
 """
 
 import m2r2_mlx.decoding.speculative as speculative
@@ -12,7 +14,7 @@ from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
-from m2r2_mlx.decoding.speculative import speculative_generate
+from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
 
 import mlx.core as mx
 import numpy as np
@@ -38,25 +40,37 @@ def setup(lm):
 
 
 def exact_joint(model, s: Sampling) -> np.ndarray:
-    """P(t1, t2, t3) for the answer's first three tokens, by enumeration."""
+    """P(t1, t2, t3) for the answer's first three tokens, by enumeration (row by row when the target reads the
+    history: a repetition penalty)."""
     pairs = np.array([(a, b) for a in range(V) for b in range(V)])
-    ids = mx.array(np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1))
-    logits = model(ids)
+    ids = np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1)
+    logits = model(mx.array(ids))
     n = len(PROMPT)
-    p1 = np.array(sampling_probs(logits[0, n - 1], s))
-    p2 = np.array(sampling_probs(logits[:, n], s)).reshape(V, V, V)[:, 0, :]  # rows t1 (t2 column unused)
-    p3 = np.array(sampling_probs(logits[:, n + 1], s)).reshape(V, V, V)
+
+    def probs(rows: mx.array, upto: int) -> np.ndarray:  # (len(pairs), V): the target after ids[:, :upto]
+        if not s.reads_history:
+            return np.array(sampling_probs(rows, s))
+        return np.stack([np.array(sampling_probs(rows[i], s, ids[i, :upto].tolist())) for i in range(len(ids))])
+
+    p1 = probs(logits[:1, n - 1], n)[0]
+    p2 = probs(logits[:, n], n + 1).reshape(V, V, V)[:, 0, :]  # rows t1 (t2 column unused)
+    p3 = probs(logits[:, n + 1], n + 2).reshape(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_joint(model, tok, drafter, s: Sampling) -> np.ndarray:
+def sampled_joint(model, tok, decoder, s: Sampling) -> np.ndarray:
     counts = np.zeros((V, V, V))
     mx.random.seed(2024)
+    options = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                   repetition_penalty=s.repetition_penalty)
     for _ in range(N):
-        toks = [e.token for e in speculative_generate(model, tok, PROMPT, drafter, max_tokens=4, max_draft=2,
-                                                      temperature=s.temperature, top_p=s.top_p)]
+        toks = [e.token for e in decoder(PROMPT, max_tokens=4, **options)]
         counts[tuple(toks[:3])] += 1
     return counts / N
+
+
+def chain(model, tok, drafter):
+    return lambda prompt, **kw: speculative_generate(model, tok, prompt, drafter, max_draft=2, **kw)
 
 
 def tv_bound(p: np.ndarray) -> float:
@@ -64,12 +78,20 @@ def tv_bound(p: np.ndarray) -> float:
     return 1.6 * 0.5 * np.sqrt(2 * p * (1 - p) / (np.pi * N)).sum()
 
 
-def accept_every_draft(logits, drafts, q, s):  # the bug the test must catch: no rejection step
-    return len(drafts), sample_from(sampling_probs(logits, s)[len(drafts)])
+def accept_every_draft(logits, tree, s, history=()):  # the bug the test must catch: no rejection step
+    path = [0]
+    while tree.proposals[path[-1]]:
+        path.append(tree.proposals[path[-1]][0][0])
+    context = list(history) + [tree.tokens[i] for i in path]
+    return path, sample_from(sampling_probs(logits[path[-1]], s, context))
+
+
+CONFIGS = [Sampling(1.0, 1.0), Sampling(0.8, 0.9), Sampling(1.0, top_k=6, min_p=0.03, repetition_penalty=1.5,
+                                                            repetition_context_size=4)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("s", [Sampling(1.0, 1.0), Sampling(0.8, 0.9)], ids=["temp1", "temp0.8-top_p0.9"])
+@pytest.mark.parametrize("s", CONFIGS, ids=["temp1", "temp0.8-top_p0.9", "top_k-min_p-repetition"])
 def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatch):
     model, m2r2, tok = setup
     p = exact_joint(model, s)
@@ -78,18 +100,26 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
     assert 0.5 * np.abs(calibration - p).sum() < bound  # exact draws pass the bound
 
     # drop_unsure: drafts below 0.3 are dropped, so a kept draft's law is q restricted to {q >= 0.3}
-    for drafter in (
-        LayerDrafter(m2r2, 0),
-        LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True),
-        PromptLookupDrafter(),
-    ):
-        got = sampled_joint(model, tok, drafter, s)
+    decoders = {
+        "chain m2r2": chain(model, tok, LayerDrafter(m2r2, 0)),
+        "chain m2r2 drop_unsure": chain(model, tok, LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True)),
+        "chain lookup": chain(model, tok, PromptLookupDrafter()),
+        "tree lookup+m2r2 width 3": Speculator(model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)],
+                                               max_draft=2, width=3, policy="always"),
+        "tree lookup+m2r2 cost planner": Speculator(model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)],
+                                                    max_draft=2, width=2, policy="cost",
+                                                    priors={"lookup": 0.9, "fast": 0.9}),
+    }
+    if s.top_k or s.reads_history:  # the new options: the trees carry the weight
+        decoders = {k: v for k, v in decoders.items() if k.startswith("tree")}
+    for name, decoder in decoders.items():
+        got = sampled_joint(model, tok, decoder, s)
         tv = 0.5 * np.abs(got - p).sum()
-        print(f"{drafter.name}: TV {tv:.3f}, bound {bound:.3f}")
-        assert tv < bound, f"{drafter.name}: TV {tv:.3f} >= {bound:.3f}"
+        print(f"{name}: TV {tv:.3f}, bound {bound:.3f}")
+        assert tv < bound, f"{name}: TV {tv:.3f} >= {bound:.3f}"
 
-    monkeypatch.setattr(speculative, "verify", accept_every_draft)
-    broken = sampled_joint(model, tok, LayerDrafter(m2r2, 0), s)
+    monkeypatch.setattr(speculative, "verify_tree", accept_every_draft)
+    broken = sampled_joint(model, tok, decoders[next(iter(decoders))], s)
     print(f"no-rejection control: TV {0.5 * np.abs(broken - p).sum():.3f}")
     assert 0.5 * np.abs(broken - p).sum() > bound  # the test has the power to catch a wrong verifier
 

@@ -145,6 +145,7 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
         drafters.append(make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab,
                                      drop_unsure=drop_unsure))
     engine = Speculator(lm.model, lm.tokenizer, drafters, policy=policy,
-                        max_draft=max_draft or (COST_DRAFT if cost else DEFAULT_DRAFT),
-                        width=width or (COST_WIDTH if cost else 1), priors=acceptance_priors(drafters))
+                        max_draft=(COST_DRAFT if cost else DEFAULT_DRAFT) if max_draft is None else max_draft,
+                        width=(COST_WIDTH if cost else 1) if width is None else width,
+                        priors=acceptance_priors(drafters))
     return engine

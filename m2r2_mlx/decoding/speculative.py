@@ -117,14 +117,21 @@ class Speculator:
         if limit <= 0:
             self.status = "plain"
             return tree
+        # Sampling: whether a sampled draft is verified must not depend on the token drawn (its own probability,
+        # or meeting another drafter's token), or it would be tested against a law it was not drawn from; so
+        # the planner prunes lookup's proposals before the fast stream samples, and the fast stream's chain
+        # ends by a stopping rule (go_on), never by pruning. Greedy verification is exact for any tree.
+        prune = self.policy == "cost"
         if self.lookup is not None:
             self.lookup.propose(tree, cache.tokens + [y], limit, eos_ids, self.width)
+            if prune and not s.greedy:
+                tree = tree.keep(self.planner.select(tree)[0])
         if self.layer is not None:
             if self.policy == "always":
                 self.layer.propose(tree, cache, limit, s, eos_ids, self.width)
             else:
                 self._draft_fast(tree, cache, limit, s, eos_ids)
-        if self.policy == "cost":
+        if prune and s.greedy:
             tree = tree.keep(self.planner.select(tree)[0])
         self.status = self._describe(tree)
         return tree

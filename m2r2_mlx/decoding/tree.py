@@ -84,7 +84,7 @@ class DraftTree:
 
     def keep(self, nodes: Sequence[int]) -> "DraftTree":
         """The subtree made of ``nodes`` (closed under parents, root included), renumbered in the same order."""
-        keep = sorted(set(nodes) | {0})
+        keep = sorted({a for n in nodes for a in self.path(n)} | {0})
         index = {old: new for new, old in enumerate(keep)}
         out = DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
                         [self.depths[i] for i in keep], [set(self.sources[i]) for i in keep],

@@ -1,0 +1,177 @@
+"""Draft trees: one forward over a tree gives every node the logits it would get decoded alone, commit leaves the
+cache exactly as sequential decoding would, and tree/hybrid/cost-planned speculative decoding stays greedy-exact.
+The planner's arithmetic and the speculative options' checks are tested here too."""
+
+import math
+
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.policy import Acceptance, Planner, StepCosts
+from m2r2_mlx.decoding.speculative import Speculator
+from m2r2_mlx.decoding.tree import DraftTree
+from m2r2_mlx.errors import M2R2Error
+
+import numpy as np
+import pytest
+
+from .tiny import EosAs, randomize, tiny_model
+from .tiny import random_prompts as _prompts
+
+ARCHS = ["llama", "phi3", "qwen2", "olmoe", "mixtral"]
+
+
+def a_tree() -> DraftTree:
+    """Root 7; a chain 11-12-13, a branch 21-22 at the root, a branch 31 after 11 and a shared node 11 proposed
+    twice (by two drafters)."""
+    tree = DraftTree.root(7)
+    a = tree.add_chain(0, [11, 12, 13], "lookup")
+    tree.add_chain(0, [21, 22], "fast")
+    tree.add(a[0], 31, "fast")
+    tree.add(0, 11, "fast")  # the same token again: shares node a[0]
+    return tree
+
+
+def test_tree_structure():
+    tree = a_tree()
+    assert len(tree) == 7 and tree.sources[1] == {"lookup", "fast"}
+    assert tree.children(0) == [1, 4] and tree.path(6) == [0, 1, 6] and tree.depths == [0, 1, 2, 3, 1, 2, 2]
+    kept = tree.keep([2, 5])  # closed under parents
+    assert kept.tokens == [7, 11, 12, 21, 22] and kept.parents == [-1, 0, 1, 0, 3]
+    mask = np.array(tree.mask(2))
+    assert mask.shape == (7, 9) and mask[:, :2].all()
+    assert mask[3, 2:].tolist() == [True, True, True, True, False, False, False]
+    assert mask[6, 2:].tolist() == [True, True, False, False, False, False, True]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_logits_equal_each_path_decoded_alone(arch):
+    model = tiny_model(arch, seed=3).model
+    prompt, tree = [5, 9, 17, 2, 33], a_tree()
+    cache = PromptCache(model)
+    cache.forward(prompt)
+    logits = np.array(cache.forward_tree(tree))
+    for node in range(len(tree)):
+        alone = PromptCache(model)
+        want = alone.forward(prompt + [tree.tokens[i] for i in tree.path(node)])[-1]
+        np.testing.assert_allclose(logits[node], np.array(want), atol=1e-4, err_msg=f"{arch} node {node}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmoe"])
+@pytest.mark.parametrize("leaf", [3, 5, 6])
+def test_commit_leaves_the_cache_as_sequential_decoding(arch, leaf):
+    model = tiny_model(arch, seed=4).model
+    prompt, tree = [5, 9, 17, 2, 33], a_tree()
+    cache = PromptCache(model)
+    cache.forward(prompt)
+    cache.forward_tree(tree)
+    path = tree.path(leaf)
+    cache.commit(path, len(tree))
+    seq = prompt + [tree.tokens[i] for i in path]
+    assert cache.tokens == seq and all(layer.offset == len(seq) for layer in cache.layers)
+    alone = PromptCache(model)
+    want = alone.forward(seq + [40])[-1]
+    np.testing.assert_allclose(np.array(cache.forward([40])[-1]), np.array(want), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_m2r2(lm):
+    base = tiny_model("llama", seed=7, vocab_size=lm.config["vocab_size"], num_hidden_layers=8)
+    m = new_m2r2(base, gates=[2, 4, 6])
+    randomize(m, scale=0.02, seed=8)
+    return m
+
+
+def engines(m2r2, tok):
+    model = m2r2.base
+    both = lambda: [PromptLookupDrafter(), LayerDrafter(m2r2, 0)]  # noqa: E731
+    return {
+        "width 3, always": Speculator(model, tok, [LayerDrafter(m2r2, 1)], max_draft=5, width=3, policy="always"),
+        "hybrid, always": Speculator(model, tok, both(), max_draft=6, width=2, policy="always"),
+        "hybrid, cost": Speculator(model, tok, both(), max_draft=8, width=3, policy="cost",
+                                   priors={"lookup": 0.9, "fast": 0.9}),
+    }
+
+
+def test_trees_and_hybrid_drafting_are_greedy_exact(lm, tiny_m2r2):
+    model = tiny_m2r2.base
+    for name, engine in engines(tiny_m2r2, lm.tokenizer).items():
+        drafted = 0
+        for prompt in _prompts(4, seed=len(name)):
+            prompt = prompt + prompt[:6]  # a repeat: lookup has something to copy
+            plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=30)]
+            stats = {}
+            got = list(engine(prompt, max_tokens=30, stats=stats))
+            assert [e.token for e in got] == plain, name
+            drafted += sum(stats["drafted_by"].values())
+            assert sum(stats["accepted"]) + 1 == len(got)
+            assert all(e.source in ("lookup", "fast") for e in got if e.drafted)
+        assert drafted > 0, f"{name}: no draft was ever accepted, so nothing was tested"
+
+
+def test_tree_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
+    model = tiny_m2r2.base
+    for prompt in _prompts(6, seed=77):
+        prompt = prompt + prompt[:5]
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=30)]
+        tok = EosAs(lm.tokenizer, plain[len(plain) // 2])
+        want = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
+        for engine in engines(tiny_m2r2, tok).values():
+            got = list(engine(prompt, max_tokens=30))
+            assert [e.token for e in got] == want and got[-1].finish_reason == "stop"
+
+
+def test_step_costs_fit_a_line_through_what_they_measured():
+    costs = StepCosts(draft_fraction=0.2)
+    costs.observe_verify(1, 0.050)
+    costs.observe_verify(8, 0.085)
+    assert math.isclose(costs.verify_cost(4), 0.065, rel_tol=1e-6)
+    assert math.isclose(costs.draft_cost(), 0.010)  # before a draft is timed: that share of a one-token forward
+    costs.observe_draft(0.02)
+    assert costs.draft_cost() == 0.02
+
+
+def planner(verify_1: float, verify_8: float, rate: float, draft: float = 0.01) -> Planner:
+    costs = StepCosts(draft_fraction=0.2)
+    costs.observe_verify(1, verify_1)
+    costs.observe_verify(8, verify_8)
+    costs.observe_draft(draft)
+    return Planner(costs, Acceptance({"lookup": rate, "fast": rate}, strength=1000), max_nodes=16)
+
+
+def test_planner_verifies_only_what_pays():
+    tree = DraftTree.root(1)
+    tree.add_chain(0, [2, 3, 4], "lookup")
+    assert planner(0.050, 0.060, 0.8).select(tree)[0] == [0, 1, 2, 3]  # cheap positions, likely drafts
+    assert planner(0.050, 0.400, 0.3).select(tree)[0] == [0]  # each position costs as much as a token: plain
+    assert planner(0.050, 0.060, 0.9, draft=0.002).fast_pays(tree, 3, "fast", 4)  # cheap drafts, likely
+    assert not planner(0.050, 0.060, 0.8).fast_pays(tree, 3, "fast", 4)  # 0.41 tokens for a 0.011 s draft step
+
+
+def test_acceptance_learns_and_forgets():
+    acc = Acceptance({"fast": 0.5}, decay=0.9)
+    for _ in range(50):
+        acc.observe("fast", 1, 0.9, True)
+        acc.observe("fast", 1, 0.05, False)
+        acc.tick()
+    assert acc.rate("fast", 1, 0.9) > 0.8 and acc.rate("fast", 1, 0.05) < 0.2
+    for _ in range(60):
+        acc.tick()
+    assert acc.optimistic("fast", 1) > acc.rate("fast", 1) + 0.1  # unused: uncertain again, so tried again
+
+
+@pytest.mark.parametrize("options, says", [
+    (dict(max_draft=0), "at least 1"),
+    (dict(threshold=float("nan")), "[0, 1]"),
+    (dict(threshold=-0.1), "[0, 1]"),
+    (dict(width=0), "tree width"),
+    (dict(width=99), "tree width"),
+    (dict(gate=5), "not one of the adapters' gates"),
+    (dict(drafter="magic"), "unknown drafter"),
+    (dict(policy="sometimes"), "unknown drafting policy"),
+])
+def test_bad_speculative_options_are_one_line(lm, options, says):
+    with pytest.raises(M2R2Error, match=None) as e:
+        make_decoder(lm, "speculative", **options)
+    assert says in str(e.value) and "\n" not in str(e.value)
