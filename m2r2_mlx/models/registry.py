@@ -21,6 +21,7 @@ from mlx_lm import load
 from mlx_lm.utils import load_model as load_architecture
 
 from ..errors import M2R2Error
+from . import moefied_llama  # noqa: F401  (registers model_type moefied_llama with mlx-lm)
 from .gguf_import import import_gguf
 
 DEFAULT_MODEL = "smollm2"
