@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -127,6 +128,32 @@ def test_concurrent_burst_all_answered_as_sequentially(server):
     assert burst == sequential and all(burst)
 
 
+COOK = "Give me three tips for learning to cook."  # greedy decoding loops on it: "1. **10111111..."
+
+
+@pytest.mark.slow
+def test_sampler_fields_pass_through(server):
+    client = _client(server)
+    greedy = _ask(client, COOK, max_tokens=40)
+    assert "1111111111" in greedy
+    penalised = _ask(client, COOK, max_tokens=40, repeat_penalty=1.1)  # llama.cpp's name
+    assert "1111111111" not in penalised and penalised == _ask(client, COOK, max_tokens=40, repetition_penalty=1.1)
+    # sampling at temperature 1 that keeps only the most likely token is greedy decoding
+    assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, top_k=1, seed=3) == \
+        _ask(client, QUESTIONS[1], max_tokens=16)
+    assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, min_p=1.0, seed=3) == \
+        _ask(client, QUESTIONS[1], max_tokens=16)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="issue 25: speculative decoding with a repetition penalty does not yet reproduce plain "
+                   "decoding's answer (m2r2-chat -p COOK --repeat-penalty 1.1, plain vs speculative)")
+def test_speculative_with_a_repetition_penalty_is_lossless(server):
+    client = _client(server)
+    plain = _ask(client, COOK, max_tokens=60, repetition_penalty=1.1)
+    assert _ask(client, COOK, max_tokens=60, repetition_penalty=1.1, mode="speculative") == plain
+
+
 BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
@@ -139,6 +166,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "mode": "speculative", "gate": 7},
      400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 2}, 400, "min_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repeat_penalty": 0}, 400,
+     "repeat_penalty"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 9000}, 400, None),  # over the model's context
@@ -167,15 +198,18 @@ def test_client_leaving_mid_stream_cancels_and_the_next_answer_is_right(server):
     reference = _ask(client, QUESTIONS[0], max_tokens=20)
     body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
             "max_tokens": 400, "stream": True, "mode": "speculative"}
-    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=300)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body))
-    r = conn.getresponse()
-    assert r.status == 200
-    for _ in range(3):  # a few events, then hang up
-        assert r.fp.readline().startswith(b"data: ")
-        r.fp.readline()
-    conn.sock.shutdown(2)
-    conn.close()
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=300)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    reader = sock.makefile("rb")
+    assert b" 200 " in reader.readline()
+    events = 0
+    while events < 3:  # the headers, a few events, then hang up
+        events += reader.readline().startswith(b"data: ")
+    reader.close()
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
     cache = server.worker.session.cache
     for _ in range(600):  # the model thread notices between two tokens and stops
         time.sleep(0.1)
@@ -193,6 +227,7 @@ def _idle(srv) -> bool:
 
 
 EXE = shutil.which("m2r2-server")
+REPEAT = "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog."
 
 
 @pytest.mark.slow
@@ -206,17 +241,18 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
         url = line.strip().rsplit(" ", 1)[-1]
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         stream = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "List the planets of the solar system."}],
+            model="smollm2", messages=[{"role": "user", "content": REPEAT}],
             stream=True, stream_options={"include_usage": True})
         text, usage = "", None
         for c in stream:
             text += "".join(ch.delta.content or "" for ch in c.choices)
             usage = c.usage or usage
-        assert "Mars" in text or "Jupiter" in text
-        assert usage.mode == "speculative" and usage.completion_tokens > 10
-        assert usage.drafts_accepted > 0 and usage.tokens_per_step > 1.0
+        assert "quick brown fox" in text
+        assert usage.mode == "speculative" and usage.completion_tokens > 5
+        assert usage.drafts_accepted > 0 and usage.tokens_per_step > 1.0  # the repeated sentence is drafted
+        assert sum(usage.exit_layers.values()) == usage.completion_tokens
         plain = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "List the planets of the solar system."}],
+            model="smollm2", messages=[{"role": "user", "content": REPEAT}],
             extra_body={"mode": "plain"})
         assert plain.choices[0].message.content == text  # lossless
     finally:
