@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-predictor",
         default="pregating",
-        choices=["pregating", "m2r2", "none"],
+        choices=["pregating", "m2r2", "m2r2-fused", "none"],
         help="with --memory-budget: who loads experts ahead of time (m2r2 needs --adapters for the model)",
     )
     p.add_argument(
