@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(one device, or several under torchrun) and write them as an MLX adapters folder.")
     p.add_argument("--model", default=None, help="base model: alias, repo id, folder or .gguf (default: embedded "
                    "smollm2; without mlx-lm installed, a folder, .gguf or repo id)")
+    p.add_argument("--base-name", help="the name the adapters record for their base (e.g. smollm2 when --model is "
+                   "that model's imported folder on a machine without mlx-lm's aliases)")
     p.add_argument("-o", "--output", required=True, help="output folder (an MLX adapters folder when done)")
     p.add_argument("--text", nargs="*", default=[], help="plain text files")
     p.add_argument("--prompts", help="jsonl of prompts; the base answers them first (self-distillation, batched "
@@ -88,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score every position (default) or only those predicting answer or text tokens")
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows for the final evaluation")
     p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint (--stage data: continue "
+                   "the answer log)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long, checkpointed, "
+                   "for a later --resume (a machine lent for minutes at a time)")
     p.add_argument("--init", metavar="ADAPTERS", help="warm start from this adapters folder (its gates and rank)")
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
@@ -361,7 +366,7 @@ def write_outputs(module: M2R2Adapters, cfg: M2R2Config, out: Path, rows: np.nda
 
 
 def check_output(args, out: Path) -> None:
-    if args.resume and not (out / CHECKPOINT / "state.json").is_file():
+    if args.resume and args.stage != "data" and not (out / CHECKPOINT / "state.json").is_file():
         raise M2R2Error(f"--resume: {out / CHECKPOINT} holds no checkpoint; start without --resume")
     if out.exists() and not args.resume:
         refuse_existing(out, args.force)
@@ -382,6 +387,7 @@ def train(args) -> Path:
         shutil.rmtree(out, ignore_errors=True)
     torch.manual_seed(args.seed)
     lm = load_base(args.model, device, tokenizer=not args.data)  # token rows given: no tokenizer needed
+    lm.name = args.base_name or lm.name
 
     # data: rank 0 builds the rows (self-distilling --prompts), the others read its cache
     generate = lambda prompts, n: generate_batch(lm, prompts, n, batch_size=args.generate_batch, seed=args.seed)
@@ -425,6 +431,7 @@ def train(args) -> Path:
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training adapters", unit="step",
                disable=not main_process)
     tokens, t0 = 0, time.perf_counter()
+    stopped = None
     for step in bar:
         batch = batch_rows(args.seed, step, len(train_rows), args.batch_size)[rank * per_process:][:per_process]
         ids = torch.from_numpy(train_rows[batch].astype(np.int64)).to(device)
@@ -442,8 +449,20 @@ def train(args) -> Path:
         bar.set_postfix(kl="/".join(f"{k:.2f}" for k in kls), tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if main_process and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
             save_checkpoint(module, cfg, opt, step + 1, out)
+        if args.max_minutes and step + 1 < args.steps:  # rank 0's clock decides for every process
+            late = torch.tensor(float(time.perf_counter() - t0 > 60 * args.max_minutes and main_process), device=device)
+            if all_sum(late, world).item():
+                stopped = step + 1
+                break
     bar.close()
     seconds = time.perf_counter() - t0
+    if stopped is not None:
+        if main_process:
+            save_checkpoint(module, cfg, opt, stopped, out)
+            log(f"stopped after {args.max_minutes:g} minutes at step {stopped} of {args.steps}, {tokens / seconds:.0f} "
+                f"tokens/s; continue with the same command and --resume")
+        barrier(world)
+        return out
 
     if main_process:
         log("held-out evaluation…")
