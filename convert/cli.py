@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import m2r2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before mlx.core)
+import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.core.adapters import refuse_existing
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.gguf_import import import_gguf
@@ -26,6 +26,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="m2r2-convert", description="Convert weights into MLX folders for m2r2. "
                                 "Without a command, the arguments are those of 'checkpoint'.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_gguf_parser(sub)
     add_checkpoint_parser(sub)
@@ -71,7 +72,7 @@ def add_checkpoint_parser(sub) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     # the short form `m2r2-convert CKPT --base B -o OUT` means `m2r2-convert checkpoint CKPT ...`
-    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
         argv = ["checkpoint", *argv]
     return build_parser().parse_args(argv)
 

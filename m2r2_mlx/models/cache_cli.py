@@ -1,0 +1,126 @@
+"""m2r2-cache: what m2r2 keeps on disk, and removing it.
+
+    m2r2-cache list                         # imported models and MoE expert stores, with their sizes
+    m2r2-cache remove experts/olmoe-1a2b    # asks first; --yes for scripts
+    m2r2-cache remove --all --yes
+
+m2r2's cache ($M2R2_HOME, else ~/.cache/m2r2-mlx) holds GGUF imports (models/) and the expert stores that
+--memory-budget exports (experts/). Models downloaded from the Hub live in the Hugging Face cache instead:
+`hf cache scan` / `hf cache delete` manage those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..errors import M2R2Error, run_cli
+from .registry import cache_home
+
+KINDS = {"models": "imported model", "experts": "expert store"}
+
+
+@dataclass
+class Entry:
+    name: str  # "models/<folder>" or "experts/<folder>"
+    kind: str
+    path: Path
+    size: int
+
+
+def folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def entries(home: Path | None = None) -> list[Entry]:
+    home = home or cache_home()
+    found = []
+    for sub, kind in KINDS.items():
+        if (home / sub).is_dir():
+            for path in sorted(p for p in (home / sub).iterdir() if p.is_dir()):
+                found.append(Entry(f"{sub}/{path.name}", kind, path, folder_size(path)))
+    return found
+
+
+def human(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def pick(names: list[str], every: bool, found: list[Entry]) -> list[Entry]:
+    """The entries ``names`` mean: as `list` prints them (models/X), or the folder name alone when unique."""
+    if every:
+        return found
+    chosen = []
+    for name in names:
+        hits = [e for e in found if name.rstrip("/") in (e.name, e.path.name)]
+        if not hits:
+            raise M2R2Error(f"{name!r} is not in m2r2's cache ({cache_home()}); `m2r2-cache list` shows what is")
+        if len(hits) > 1:
+            raise M2R2Error(f"{name!r} names {len(hits)} entries; write it as `m2r2-cache list` prints it, "
+                            f"e.g. {hits[0].name}")
+        chosen += [e for e in hits if e not in chosen]
+    return chosen
+
+
+def confirm(chosen: list[Entry]) -> bool:
+    if not sys.stdin.isatty():
+        raise M2R2Error("removing needs confirmation and there is no terminal to ask in; pass --yes")
+    answer = input(f"remove {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'}, "
+                   f"{human(sum(e.size for e in chosen))}? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="m2r2-cache", description="List or remove what m2r2 keeps in its cache "
+                                "(imported models, MoE expert stores).")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("list", help="imported models and expert stores, with their sizes")
+    r = sub.add_parser("remove", help="delete entries (asks first unless --yes)")
+    r.add_argument("names", nargs="*", help="entries as `m2r2-cache list` prints them (models/NAME, experts/NAME)")
+    r.add_argument("--all", action="store_true", help="every entry")
+    r.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    return p
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
+    found = entries()
+    if args.command == "list":
+        if not found:
+            print(f"m2r2's cache ({cache_home()}) is empty")
+            return 0
+        width = max(len(e.name) for e in found)
+        for e in found:
+            print(f"{e.name:<{width}}  {human(e.size):>9}  {e.kind}")
+        print(f"{'total':<{width}}  {human(sum(e.size for e in found)):>9}  in {cache_home()}")
+        return 0
+    if not args.names and not args.all:
+        raise M2R2Error("say what to remove: entries as `m2r2-cache list` prints them, or --all")
+    chosen = pick(args.names, args.all, found)
+    if not chosen:
+        print("nothing to remove")
+        return 0
+    if not args.yes and not confirm(chosen):
+        print("nothing removed")
+        return 1
+    for e in chosen:
+        shutil.rmtree(e.path)
+        print(f"removed {e.name} ({human(e.size)})")
+    return 0
+
+
+def main() -> None:
+    sys.exit(run_cli("m2r2-cache", _main))
+
+
+if __name__ == "__main__":
+    main()
