@@ -1,6 +1,7 @@
 """m2r2-convert: import weights into MLX model/adapter folders.
 
     m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-f32          # llama GGUF -> float32 MLX folder
+    m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-q4 --keep-quantized   # Q4/Q8 kept as MLX 4/8-bit
     m2r2-convert checkpoint adapters.pt --base smollm2 -o out/       # PyTorch adapters -> MLX adapters folder
     m2r2-convert adapters.pt --base smollm2 -o out/                  # the same: checkpoint is the default
 """
@@ -40,6 +41,9 @@ def add_gguf_parser(sub) -> None:
     g.add_argument("gguf", help="path to the .gguf file")
     g.add_argument("-o", "--output", required=True, help="output folder (written atomically)")
     g.add_argument("--force", action="store_true", help="replace an existing output folder")
+    g.add_argument("--keep-quantized", action="store_true",
+                   help="keep Q4_0, Q4_1 and Q8_0 tensors quantized, as MLX's affine 4/8-bit weights (exact, 4-7x "
+                   "smaller than float32; faster on Apple silicon, slower than float32 on a CPU)")
 
 
 def add_checkpoint_parser(sub) -> None:
@@ -111,7 +115,7 @@ def convert_checkpoint(args: argparse.Namespace) -> None:
 def _main() -> int:
     args = parse_args(sys.argv[1:])
     if args.command == "gguf":
-        out = import_gguf(args.gguf, args.output, force=args.force)
+        out = import_gguf(args.gguf, args.output, force=args.force, keep_quantized=args.keep_quantized)
         print(f"wrote {out} (try: m2r2-chat --model {out})")
     elif args.command == "checkpoint":
         convert_checkpoint(args)

@@ -2,7 +2,10 @@
 
 What the import does, and why:
 - weights are dequantized to float32 with the ``gguf`` package (ggml-org's own
-  reader): on this CPU float32 matmuls are faster than 4-bit ones;
+  reader): on this CPU float32 matmuls are faster than 4-bit ones; with
+  ``keep_quantized`` Q4_0, Q4_1 and Q8_0 tensors are instead repacked, without
+  rounding, as MLX affine-quantized weights (group size 32, as ggml's blocks),
+  4-7x smaller, which mlx-lm loads through config.json's "quantization";
 - llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that its
   rotary embedding can rotate adjacent pairs (GPT-J / "traditional" style);
   mlx-lm's llama rotates the two halves of each head (GPT-NeoX style, as in the
@@ -124,21 +127,63 @@ def gguf_config(reader) -> dict:
     }
 
 
-def gguf_weights_f32(reader, config: dict) -> dict[str, np.ndarray]:
-    """All tensors dequantized to float32, HF names and HF rotary layout."""
-    out = {}
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF to float32", unit="tensor", leave=False):
+GROUP = 32  # elements per ggml block of Q4_0/Q4_1/Q8_0, and so per MLX quantization group
+Q = gguf.GGMLQuantizationType
+KEEPABLE = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}  # ggml types that map exactly onto MLX's affine quantization
+
+
+def mlx_affine(data: np.ndarray, kind, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0/Q4_1/Q8_0 matrix's raw blocks as MLX affine quantization (x = scale * q + bias per group of 32):
+    the packed weight (uint32, element i of a word in bits [bits*i, bits*(i+1)), as mx.quantize packs), and the
+    scales and biases (float32). Exact: Q4_1 stores x = d*q + m, Q4_0 x = d*(q - 8), Q8_0 x = d*q (q signed)."""
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, gguf.GGML_QUANT_SIZES[kind][1])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == Q.Q8_0:
+        q = (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
+        bias = -128 * d
+    else:
+        qs = blocks[..., 4:20] if kind == Q.Q4_1 else blocks[..., 2:18]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint32)  # ggml: low nibbles first
+        bias = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == Q.Q4_1 else -8 * d
+    bits = KEEPABLE[kind]
+    per_word = 32 // bits
+    q = q.reshape(rows, -1, per_word) << (bits * np.arange(per_word, dtype=np.uint32))
+    packed = np.bitwise_or.reduce(q, axis=-1).astype(np.uint32)
+    return packed, d, bias
+
+
+def gguf_weights(reader, config: dict, keep_quantized: bool = False) -> dict[str, np.ndarray]:
+    """All tensors with HF names and HF rotary layout: dequantized to float32, or with ``keep_quantized``
+    Q4_0/Q4_1/Q8_0 matrices as MLX quantized weights (``name.weight``, ``.scales``, ``.biases``), recorded
+    in ``config["quantization"]`` as mlx-lm reads it."""
+    out, bits_of = {}, {}
+    desc = "repacking GGUF for MLX" if keep_quantized else "dequantizing GGUF to float32"
+    for t in tqdm(reader.tensors, desc=desc, unit="tensor", leave=False):
         # Shapes in GGUF are (ne0, ne1, ...) fastest first; numpy wants the reverse.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        name = hf_tensor_name(t.name)
+        keep = keep_quantized and t.tensor_type in KEEPABLE and len(shape) == 2 and shape[1] % GROUP == 0
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+            if keep:
+                parts = mlx_affine(t.data, t.tensor_type, shape[0])
+            else:
+                parts = (gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape),)
         except Exception as e:
             raise M2R2Error(f"GGUF tensor {t.name} cannot be read ({e}); the file is truncated or corrupt") from None
-        if t.name.startswith("blk.") and ".attn_q." in t.name:
-            w = unpermute_rotary(w, config["num_attention_heads"])
-        elif t.name.startswith("blk.") and ".attn_k." in t.name:
-            w = unpermute_rotary(w, config["num_key_value_heads"])
-        out[hf_tensor_name(t.name)] = w
+        heads = {".attn_q.": "num_attention_heads", ".attn_k.": "num_key_value_heads"}
+        for part, heads_key in heads.items():
+            if t.name.startswith("blk.") and part in t.name:  # rows permuted: each row's groups move with it
+                parts = tuple(unpermute_rotary(a, config[heads_key]) for a in parts)
+        if keep:
+            module = name.removesuffix(".weight")
+            out[name], out[f"{module}.scales"], out[f"{module}.biases"] = parts
+            bits_of[module] = KEEPABLE[t.tensor_type]
+        else:
+            out[name] = parts[0]
+    if bits_of:
+        common = max(set(bits_of.values()), key=list(bits_of.values()).count)
+        config["quantization"] = {"group_size": GROUP, "bits": common, "mode": "affine", **{
+            m: {"group_size": GROUP, "bits": b} for m, b in bits_of.items() if b != common}}
     return out
 
 
@@ -193,14 +238,18 @@ def source_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_head_tail": h.hexdigest(), "importer_version": IMPORTER_VERSION}
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """Import ``gguf_path`` into ``out_dir`` (float32 safetensors + config + tokenizer).
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False, keep_quantized: bool = False
+                ) -> Path:
+    """Import ``gguf_path`` into ``out_dir`` (float32 safetensors, or with ``keep_quantized`` MLX-quantized ones
+    where the GGUF's types allow, + config + tokenizer).
 
-    An existing folder from the same source file is reused; a folder from another
+    An existing folder from the same source file (and the same choice) is reused; a folder from another
     source is only replaced with ``force=True``.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     fingerprint = source_fingerprint(gguf_path) if gguf_path.is_file() else None
+    if fingerprint and keep_quantized:
+        fingerprint["keep_quantized"] = True
     info_file = out_dir / "import_info.json"
     if out_dir.exists():
         if info_file.is_file() and json.loads(info_file.read_text()) == fingerprint:
@@ -213,7 +262,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False)
     reader = open_gguf(gguf_path)
     config = gguf_config(reader)
     tokenizer = build_tokenizer(reader)
-    weights = gguf_weights_f32(reader, config)
+    weights = gguf_weights(reader, config, keep_quantized)
 
     with atomic_folder(out_dir) as tmp:
         # written with safetensors itself, not mlx: the PyTorch trainer imports GGUFs where mlx is not installed
