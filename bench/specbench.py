@@ -28,7 +28,7 @@ from pathlib import Path
 import m2r2_mlx  # (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, make_decoder
+from m2r2_mlx.decoding.decoders import COST_DRAFT, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, make_decoder
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -43,9 +43,10 @@ from .peers import mlx_lm_decoder
 SPECBENCH = Path(__file__).resolve().parent / "data" / "question.jsonl"  # Spec-Bench's 480 (data/README.md)
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
-METHODS = ("plain", "mlx-lm", "m2r2", "layerskip", "lookup", "mlx-lm-spec")
-LABELS = {"plain": "plain (ours)", "mlx-lm": "mlx-lm stream_generate", "m2r2": "M2R2 self-speculative",
-          "layerskip": "naive layer-skip", "lookup": "prompt lookup", "mlx-lm-spec": "mlx-lm 2-model speculative"}
+METHODS = ("plain", "mlx-lm", "m2r2", "m2r2-fast", "layerskip", "lookup", "mlx-lm-spec")
+LABELS = {"plain": "plain (ours)", "mlx-lm": "mlx-lm stream_generate", "m2r2": "M2R2 speculative (hybrid, cost)",
+          "m2r2-fast": "M2R2 fast stream alone", "layerskip": "naive layer-skip", "lookup": "prompt lookup",
+          "mlx-lm-spec": "mlx-lm 2-model speculative"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,21 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=2, help="most turns per question (default 2: all of Spec-Bench's)")
     p.add_argument(
         "--methods",
-        default="plain,mlx-lm,m2r2,layerskip,lookup",
+        default="plain,mlx-lm,m2r2,m2r2-fast,lookup",
         help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
     p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
     p.add_argument("--gate", type=int, default=None, help="draft exit layer for m2r2/layerskip (default: first gate)")
     p.add_argument(
-        "--draft", "--num-draft-tokens", type=int, default=DEFAULT_DRAFT,
-        help=f"most drafted tokens per step (default {DEFAULT_DRAFT})"
+        "--draft", "--num-draft-tokens", type=int, default=None,
+        help=f"most drafted tokens per step (default: m2r2 {COST_DRAFT}, chosen per step by its cost model; the "
+             f"others {DEFAULT_DRAFT})"
     )
     p.add_argument(
         "--threshold",
         "--draft-p-min",
         type=float,
-        default=DEFAULT_THRESHOLD,
-        help=f"stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})",
+        default=None,
+        help=f"m2r2-fast and layerskip: stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})",
     )
     p.add_argument(
         "--draft-vocab",
@@ -135,17 +137,17 @@ def make_methods(args, lm, names: list[str]) -> dict:
         if name == "mlx-lm":
             methods[name] = mlx_lm_decoder(lm)
         elif name == "mlx-lm-spec":
-            methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft)
-        else:
-            mode = {"m2r2": "speculative"}.get(name, name)  # layerskip: the same drafting knobs, no adapters
+            methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft or DEFAULT_DRAFT)
+        elif name == "m2r2":  # what --mode speculative does by default: hybrid drafting under the cost model
+            methods[name] = make_decoder(lm, "speculative", args.adapters, gate=args.gate, max_draft=args.draft,
+                                         draft_vocab=args.draft_vocab)
+        else:  # every proposal verified: the fast stream alone, naive layer skip, prompt lookup
+            mode = {"m2r2-fast": "speculative"}.get(name, name)
             methods[name] = make_decoder(
-                lm,
-                mode,
-                args.adapters,
-                gate=args.gate,
-                max_draft=args.draft,
-                threshold=args.threshold if name in ("m2r2", "layerskip") else 0.0,
-                draft_vocab=args.draft_vocab if name in ("m2r2", "layerskip") else 0,
+                lm, mode, args.adapters, drafter="fast", policy="always", gate=args.gate,
+                max_draft=args.draft or DEFAULT_DRAFT,
+                threshold=0.0 if mode == "lookup" else DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
+                draft_vocab=args.draft_vocab if mode != "lookup" else 0,
             )
     return methods
 
@@ -171,6 +173,7 @@ def run_turns(lm, decode, turns: list[str], max_tokens: int) -> list[dict]:
                 "wall_time": time.perf_counter() - t0,
                 "decode_time": decode_s,
                 "accept_lengths": stats.accept_lengths,
+                "drafted_by": dict(stats.drafted_by),
                 "exit_layers": stats.exit_layers,
                 "peak_memory_gb": mx.get_peak_memory() / 1e9,
             }
@@ -210,6 +213,7 @@ def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
                 "peak_gb": max(t["peak_memory_gb"] for t in turns),
                 "same": f"{same}/{n}",
                 "tokens": toks,
+                "drafted_by": sum((Counter(t.get("drafted_by", {})) for t in turns), Counter()),
             }
         plain = summary.get((cat, "plain"), {}).get("tok_s", 0.0)
         for m in methods:
@@ -223,10 +227,15 @@ def histogram_text(hist: Counter) -> str:
     return " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(hist.items()))
 
 
+def drafts_text(by: Counter) -> str:
+    return ", ".join(f"{source} {n}" for source, n in by.most_common()) or "-"
+
+
 def table(summary: dict, methods: list[str], categories: list[str]) -> str:
     lines = [
-        "| category | method | tokens/s | speedup | tokens/step | acceptance lengths | peak GB | same as plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| category | method | tokens/s | speedup | tokens/step | acceptance lengths | drafts accepted | peak GB "
+        "| same as plain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for cat in groups(categories):
         for m in methods:
@@ -234,7 +243,7 @@ def table(summary: dict, methods: list[str], categories: list[str]) -> str:
             if s:
                 lines.append(
                     f"| {cat} | {LABELS[m]} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['accepted']:.2f} | "
-                    f"{histogram_text(s['hist'])} | {s['peak_gb']:.2f} | {s['same']} |"
+                    f"{histogram_text(s['hist'])} | {drafts_text(s['drafted_by'])} | {s['peak_gb']:.2f} | {s['same']} |"
                 )
     return "\n".join(lines)
 
@@ -281,7 +290,7 @@ def plot(summary: dict, methods: list[str], categories: list[str], out: Path) ->
 
 def _main() -> int:
     args = build_parser().parse_args()
-    if args.max_tokens < 2 or args.turns < 1 or args.draft < 1:
+    if args.max_tokens < 2 or args.turns < 1 or (args.draft is not None and args.draft < 1):
         raise M2R2Error("--max-tokens must be at least 2, --turns and --draft at least 1")
     questions = select_questions(args.questions, args.categories, args.limit)
     if not questions:

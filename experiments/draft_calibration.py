@@ -49,22 +49,22 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
             [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
         )
         cache, confs, before, stats = PromptCache(lm.model), [], [], {"accepted": []}
-        forward, original, last = cache.forward, drafter.draft, {}
+        forward, original, last = cache.forward, drafter.propose, {}
 
         def keep_logits(tokens):
             last["logits"] = forward(tokens)
             return last["logits"]
 
-        def draft(c, y, *args, **kwargs):
-            # y came from the last forward's row after the drafts it accepted (the step's length - 1), or from the
-            # prefill's last row before the first step
+        def propose(tree, *args, **kwargs):
+            # the root came from the last forward's row after the drafts it accepted (the step's length - 1), or
+            # from the prefill's last row before the first step
             row = stats["accepted"][-1] - 1 if stats["accepted"] else -1
             before.append(mx.softmax(last["logits"][row].astype(mx.float32)).max().item())
-            out = original(c, y, *args, **kwargs)
-            confs.append(drafter.confidences[0] if out[0] else None)
-            return out
+            steps = original(tree, *args, **kwargs)
+            confs.append(drafter.confidences[0] if len(tree) > 1 else None)
+            return steps
 
-        cache.forward, drafter.draft = keep_logits, draft
+        cache.forward, drafter.propose = keep_logits, propose
         try:
             list(
                 speculative_generate(
@@ -79,7 +79,7 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
                 )
             )
         finally:
-            del drafter.draft
+            del drafter.propose
         accepted = [n > 1 for n in stats["accepted"]]
         pairs += [(c, a) for c, a in zip(confs, accepted) if c is not None]
         signals += [(p, prev, a) for p, prev, a, c in zip(before, [None] + accepted, accepted, confs) if c is not None]

@@ -10,11 +10,14 @@ from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import PromptCache, generate
 from m2r2_mlx.decoding.policy import Acceptance, Planner, StepCosts
 from m2r2_mlx.decoding.speculative import Speculator
+from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.errors import M2R2Error
 
 import numpy as np
 import pytest
+
+from tui.render import token_text
 
 from .tiny import EosAs, randomize, tiny_model
 from .tiny import random_prompts as _prompts
@@ -175,3 +178,29 @@ def test_bad_speculative_options_are_one_line(lm, options, says):
     with pytest.raises(M2R2Error, match=None) as e:
         make_decoder(lm, "speculative", **options)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_greedy_exact_under_a_repetition_penalty(lm, tiny_m2r2):
+    """The penalty reads each position's own history: the verifier must see the sequence up to the node, not the
+    cache as the tree forward left it."""
+    model = tiny_m2r2.base
+    for prompt in _prompts(3, seed=5):
+        prompt = prompt + prompt[:6]
+        options = dict(max_tokens=30, repetition_penalty=1.3, repetition_context_size=8)
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, **options)]
+        for name, engine in engines(tiny_m2r2, lm.tokenizer).items():
+            assert [e.token for e in engine(prompt, **options)] == plain, name
+
+
+def test_events_name_their_drafter_and_the_plan(lm, tiny_m2r2):
+    """What the chat shows: each accepted draft's drafter (lookup copies italic) and the engine's live choice."""
+    engine = engines(tiny_m2r2, lm.tokenizer)["hybrid, always"]
+    prompt = _prompts(1, seed=9)[0] * 3
+    stats = AnswerStats()
+    events = list(engine(prompt, max_tokens=30))
+    for ev in events:
+        stats.add(ev)
+    assert stats.drafted > 0 and sum(stats.drafted_by.values()) == stats.drafted
+    assert stats.plan and all(ev.plan for ev in events[1:])
+    lookup = next(ev for ev in events if ev.source == "lookup")
+    assert "italic" in str(token_text(lookup.text, lookup.exit_layer, lookup.num_layers, True, lookup.source).style)

@@ -17,9 +17,10 @@ def depth_color(exit_layer: int, num_layers: int) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
-def token_text(piece: str, exit_layer: int, num_layers: int, drafted: bool) -> Text:
+def token_text(piece: str, exit_layer: int, num_layers: int, drafted: bool, source: str | None = None) -> Text:
+    """A drafted token is underlined, and italic too when prompt lookup copied it from the context."""
     style = depth_color(exit_layer, num_layers) + (" underline" if drafted else "")
-    return Text(piece, style=style)
+    return Text(piece, style=style + (" italic" if drafted and source == "lookup" else ""))
 
 
 def legend(depths: list[int], num_layers: int) -> Text:
@@ -28,4 +29,5 @@ def legend(depths: list[int], num_layers: int) -> Text:
         out.append(f" L{d} ", style=f"black on {depth_color(d, num_layers)}")
         out.append(" ")
     out.append("  underlined = accepted draft", style="underline")
+    out.append(", italic = copied by prompt lookup", style="italic underline")
     return out

@@ -7,6 +7,8 @@ from functools import partial
 from pathlib import Path
 from typing import Iterator
 
+from mlx_lm.generate import wired_limit
+
 from ..atomic import atomic_write_text
 from ..errors import M2R2Error
 from ..models.registry import LoadedModel
@@ -16,12 +18,13 @@ from .generate import PromptCache, TokenEvent, check_context, generate
 class ChatSession:
     """Chat history + prompt cache: each turn prefills only what the cache lacks."""
 
-    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, decoder=None, expert_cache=None):
+    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, decoder=None, expert_cache=None,
+                 max_kv_size: int | None = None, kv_bits: int | None = None):
         self.lm = lm
         self.expert_cache = expert_cache  # MoE models served within a memory budget (m2r2_mlx.moe)
         self.decode = decoder or partial(generate, lm.model, lm.tokenizer)
         self.system_prompt = system_prompt
-        self.cache = PromptCache(lm.model)
+        self.cache = PromptCache(lm.model, max_kv_size, kv_bits)
         self.messages: list[dict] = []
         self.reset()
 
@@ -61,9 +64,10 @@ class ChatSession:
     def _answer(self, prompt: list[int], **options) -> Iterator[TokenEvent]:
         pieces: list[str] = []
         try:
-            for event in self.decode(prompt, cache=self.cache, context_length=self.lm.context_length, **options):
-                pieces.append(event.text)
-                yield event
+            with wired_limit(self.lm.model):  # as mlx-lm decodes: weights wired on Metal (a no-op elsewhere)
+                for event in self.decode(prompt, cache=self.cache, context_length=self.lm.context_length, **options):
+                    pieces.append(event.text)
+                    yield event
         finally:  # also on cancel (generator closed): the history keeps what was shown
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
 

@@ -180,7 +180,7 @@ def early_exit_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: float = 1.0, repetition_context_size: int = 20,
     seed: int | None = None,
     context_length: int | None = None,
     stats: dict | None = None,
@@ -192,7 +192,7 @@ def early_exit_generate(
     ``tau`` is the exit threshold at the first gate checked; with ``scaled_tau`` deeper gates ask more
     (``gate_thresholds``), else every gate asks ``tau``. ``exit_head`` (a SubsetHead, e.g.
     ``m2r2.exit_head``) scores the exits over a vocabulary subset."""
-    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
     if seed is not None:
         mx.random.seed(seed)
 

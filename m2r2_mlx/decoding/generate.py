@@ -43,6 +43,9 @@ class TokenEvent:
     plan: str = ""  # speculative decoding: what the engine chose for this token's step (e.g. "lookup 4 + fast 1")
 
 
+KV_GROUP_SIZE = 64  # mlx-lm's default group for a quantized KV cache
+
+
 class PromptCache:
     """The model's KV cache together with the exact token ids it holds.
 
@@ -50,9 +53,11 @@ class PromptCache:
     rest is prefilled, and a divergent tail (an edited or regenerated turn) is trimmed.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, max_kv_size: int | None = None, kv_bits: int | None = None):
         self.model = model
-        self.layers = make_prompt_cache(model)
+        # mlx-lm's KV options: a rotating cache of max_kv_size positions, or keys and values quantized to kv_bits
+        self.max_kv_size, self.kv_bits = max_kv_size, kv_bits
+        self.layers = self._new_layers()
         # Entries may be lazy 0-d arrays (a sampled token fed back before it is read,
         # so the decode loop never waits); they are resolved on first access.
         self._tokens: list[int | mx.array] = []
@@ -63,8 +68,9 @@ class PromptCache:
 
     @property
     def tokens(self) -> list[int]:
+        """A copy: a caller's history must not grow with the cache's next forward."""
         self._tokens = [t if isinstance(t, int) else int(t.item()) for t in self._tokens]
-        return self._tokens
+        return list(self._tokens)
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -90,8 +96,12 @@ class PromptCache:
         # states[-1] stays the last position's: what a drafter reads after verification trimmed the rejected
         self.states = self.states[:-n] if self.states is not None and n < self.states.shape[0] else None
 
+    def _new_layers(self) -> list:
+        layers = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        return [c.to_quantized(KV_GROUP_SIZE, self.kv_bits) for c in layers] if self.kv_bits else layers
+
     def reset(self) -> None:
-        self.layers = make_prompt_cache(self.model)
+        self.layers = self._new_layers()
         self._tokens = []
         self.states = None
 
@@ -253,13 +263,13 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: float = 1.0, repetition_context_size: int = 20,
     seed: int | None = None,
     context_length: int | None = None,
 ) -> Iterator[TokenEvent]:
     """Decode greedily (temperature 0) or by sampling, as mlx-lm does (its sampler and logits processors);
     one event per token."""
-    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
     if seed is not None:
         mx.random.seed(seed)
     sampler, processors = s.sampler(), s.processors()

@@ -67,11 +67,12 @@ class Speculator:
 
     def __call__(self, prompt: Sequence[int], *, cache: PromptCache | None = None, max_tokens: int = 256,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None, context_length: int | None = None,
+                 repetition_penalty: float = 1.0, repetition_context_size: int = 20, seed: int | None = None,
+                 context_length: int | None = None,
                  stats: dict | None = None) -> Iterator[TokenEvent]:
         """Decode ``prompt``; ``stats`` (if given) collects tokens per verification step ("accepted") and the
         accepted drafts per drafter ("drafted_by")."""
-        s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+        s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
         if seed is not None:
             mx.random.seed(seed)
         cache, logits, events = start_decoding(self.model, self.tokenizer, list(prompt), cache, max_tokens,

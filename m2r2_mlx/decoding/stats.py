@@ -22,6 +22,8 @@ class AnswerStats:
     peak_memory_gb: float = 0.0
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)  # tokens per full-model step, after the prefill's token
+    drafted_by: Counter = field(default_factory=Counter)  # accepted drafts per drafter ("lookup", "fast"...)
+    plan: str = ""  # speculative decoding: the engine's choice for the latest step ("plain", "lookup 4 + fast 1")
     _run: int = 0
 
     def add(self, ev: TokenEvent) -> None:
@@ -38,15 +40,22 @@ class AnswerStats:
             ev.prompt_time_s,
         )
         self.elapsed_s = ev.elapsed_s
+        self.plan = ev.plan or self.plan
         self.peak_memory_gb = max(self.peak_memory_gb, ev.peak_memory_gb)
         self.finish_reason = ev.finish_reason or self.finish_reason
         if ev.eos:
             return
         self.tokens += 1
         self.drafted += ev.drafted
+        if ev.drafted:
+            self.drafted_by[ev.source or "draft"] += 1
         self.exit_layers.append(ev.exit_layer)
         # a drafted token is still verified by every layer: it saves no layer compute
         self.computed_layers += ev.num_layers if ev.drafted else ev.exit_layer
+
+    def drafts_line(self) -> str:
+        """Accepted drafts by drafter, most first: "31 lookup, 4 fast"."""
+        return ", ".join(f"{n} {source}" for source, n in self.drafted_by.most_common())
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,8 +80,10 @@ class AnswerStats:
 
     def summary(self) -> str:
         hist = " ".join(f"L{layer}x{n}" for layer, n in self.exit_histogram().items()) or "-"
+        by = self.drafts_line()
         return (
-            f"{self.tokens} tokens, {self.tokens_per_s:.1f} tok/s, {self.accepted_per_step:.2f} tokens/step, prefill "
+            f"{self.tokens} tokens, {self.tokens_per_s:.1f} tok/s, {self.accepted_per_step:.2f} tokens/step"
+            f"{f' (drafts accepted: {by})' if by else ''}, prefill "
             f"{self.prefill_tokens}/{self.prompt_tokens} tokens "
             f"in {self.prompt_time_s:.2f}s, exit depth [{hist}] of {self.num_layers} layers, "
             f"{100 * self.layers_skipped:.0f}% layers skipped, peak {self.peak_memory_gb:.2f} GB"
