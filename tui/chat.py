@@ -76,7 +76,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def one_shot(args: argparse.Namespace) -> int:
-    lm = load_model(args.model)
+    lm = load_model(args.model, lazy=args.memory_budget is not None)  # within a budget: experts never all read
     session = make_session(args, lm)
     stats = AnswerStats()
     for ev in session.send(args.prompt, **generation_options(args)):

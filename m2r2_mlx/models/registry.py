@@ -133,16 +133,18 @@ class LoadedModel:
         return int(c.get("max_position_embeddings") or c.get("max_seq_len") or c.get("n_positions") or 4096)
 
 
-def load_model(name: str | None = None, *, tokenizer: bool = True) -> LoadedModel:
+def load_model(name: str | None = None, *, tokenizer: bool = True, lazy: bool = False) -> LoadedModel:
     """Resolve and load a model with mlx-lm; damaged files give one clear line.
 
     ``tokenizer=False`` loads no tokenizer and maps the weights lazily: enough for
-    tools that only need the architecture (m2r2-convert checkpoint).
+    tools that only need the architecture (m2r2-convert checkpoint). ``lazy``: weights are
+    read from disk when first used (an MoE served within a memory budget never reads
+    most of its experts into memory: moe/serve.py).
     """
     path = resolve_model_path(name)
     try:
         if tokenizer:
-            model, loaded_tokenizer = load(str(path))
+            model, loaded_tokenizer = load(str(path), lazy=lazy)
         else:
             (model, _), loaded_tokenizer = load_architecture(path, lazy=True), None
     except Exception as e:

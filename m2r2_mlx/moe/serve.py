@@ -53,7 +53,10 @@ def serve_with_budget(lm: LoadedModel, budget: str, *, predictor: str = "pregati
     folder = store_folder(lm)
     if not (folder / "experts.json").exists():
         print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
-        ExpertStore.export(lm.model, folder)
+        # layer by layer, each released once written: a lazily loaded model never holds all its experts
+        store = ExpertStore.export(lm.model, folder, release=True)
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        print(f"exported {len(store.layers)} MoE layers' experts: {size / 1e9:.2f} GB", file=sys.stderr)
     cache = offload_experts(lm.model, folder, budget, link=Link(link_gbps) if link_gbps is not None else None)
     attach_predictor(cache, predictor, m2r2)
     return cache

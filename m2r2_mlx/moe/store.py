@@ -22,6 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
+from tqdm.auto import tqdm
 
 from ..atomic import atomic_folder, atomic_write_text
 from ..errors import M2R2Error
@@ -106,8 +108,10 @@ class ExpertStore:
     # -- writing -------------------------------------------------------------------------
 
     @staticmethod
-    def export(model, folder: str | Path, *, force: bool = False) -> "ExpertStore":
-        """Write every MoE layer's experts under ``folder`` (atomically) and open the result."""
+    def export(model, folder: str | Path, *, force: bool = False, release: bool = False) -> "ExpertStore":
+        """Write every MoE layer's experts under ``folder`` (atomically) and open the result. ``release``: once
+        written, a layer's experts in ``model`` become unevaluated placeholders of the same shapes, so a lazily
+        loaded model holds one layer's experts at a time (for a model offloaded right after: offload_experts)."""
         folder = Path(folder).expanduser()
         blocks = moe_blocks(model)
         if not blocks:
@@ -116,11 +120,16 @@ class ExpertStore:
             raise M2R2Error(f"{folder} already exists; pass force=True (--force) to replace it")
         with atomic_folder(folder) as tmp:
             layers = []
-            for i, block in blocks:
+            for i, block in tqdm(blocks, desc="exporting experts", unit="layer", leave=False):
                 params = expert_params(block.switch_mlp)
                 mx.eval(params)  # lazily loaded models read this layer's weights now, one layer at a time
                 entry = _write_layer(tmp / _layer_file(i), module_path(model, block.switch_mlp), params)
                 layers.append({"layer": i, "top_k": top_k(block), **entry})
+                if release:
+                    del params
+                    placeholders = tree_map(lambda a: mx.zeros(a.shape, a.dtype), block.switch_mlp.parameters())
+                    block.switch_mlp.update(placeholders)
+                    mx.clear_cache()
             manifest = {"format": FORMAT, "version": VERSION,
                         "model_type": getattr(model, "model_type", None), "layers": layers}
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
