@@ -25,7 +25,7 @@ from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.registry import LoadedModel
 
-from tui.options import decoder_options, generation_options
+from tui.options import cache_options, check_cache_options, decoder_options, generation_options
 
 from .protocol import Request, RequestError, StopMatcher
 
@@ -87,7 +87,8 @@ class ModelWorker:
     def _run(self) -> None:
         try:
             self.lm = self.load()
-            self.session = ChatSession(self.lm)  # its prompt cache and chat template serve every request
+            # its prompt cache (with the server's KV options) and chat template serve every request
+            self.session = ChatSession(self.lm, **cache_options(self.defaults))
             self.decoder(self.defaults)  # the default mode's adapters load now, not on the first request
         except BaseException as e:  # reported by start(), on the caller's thread
             self.load_error = e
@@ -116,6 +117,10 @@ class ModelWorker:
                 f"mode {request.options['mode']!r} needs M2R2 adapters and this server has none for its model; "
                 "start m2r2-server with --adapters DIR or a Hub repo id (modes without adapters: plain, layerskip, "
                 "lookup)", "mode")
+        try:  # a request's mode against the server's KV options
+            check_cache_options({**self.defaults, "mode": request.options["mode"]})
+        except M2R2Error as e:
+            raise RequestError(str(e), "mode") from None
         job = Job(request)
         try:
             self.jobs.put_nowait(job)

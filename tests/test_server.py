@@ -145,8 +145,6 @@ def test_sampler_fields_pass_through(server):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 25: speculative decoding with a repetition penalty does not yet reproduce plain "
-                   "decoding's answer (m2r2-chat -p COOK --repeat-penalty 1.1, plain vs speculative)")
 def test_speculative_with_a_repetition_penalty_is_lossless(server):
     client = _client(server)
     plain = _ask(client, COOK, max_tokens=60, repetition_penalty=1.1)

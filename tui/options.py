@@ -11,11 +11,22 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, MODE_HELP, MODES
+from m2r2_mlx.decoding.decoders import (
+    COST_DRAFT,
+    COST_WIDTH,
+    DEFAULT_DRAFT,
+    DEFAULT_DRAFT_VOCAB,
+    DEFAULT_THRESHOLD,
+    DRAFTERS,
+    MODE_HELP,
+    MODES,
+)
 from m2r2_mlx.decoding.sampling import Sampling
+from m2r2_mlx.decoding.speculative import MAX_WIDTH, POLICIES
 from m2r2_mlx.errors import M2R2Error
 
 REPETITION_CONTEXT = Sampling.repetition_context_size  # mlx-lm's default too
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,7 @@ class Option:
     valid: Callable[[Any], bool] | None = None
     rule: str = ""  # what ``valid`` asks, for the error line
     generation: bool = False  # passed to each decoding call rather than to make_decoder
+    cache: bool = False  # shapes the KV cache (ChatSession's keywords): neither a decoder's nor a call's option
     kwarg: str = ""  # its keyword there, when it differs from ``dest``
 
     @property
@@ -46,12 +58,24 @@ OPTIONS = (
            ("mode",), lambda v: v in MODES, f"must be one of: {', '.join(MODES)}"),
     Option("gate", ("--gate",), int, None, "exit layer that drafts come from (default: the adapters' first gate)",
            ("gate",), lambda v: v >= 1, "must be a layer count of at least 1"),
-    Option("draft", ("--draft", "--num-draft-tokens", "--draft-max"), int, DEFAULT_DRAFT,
-           f"most drafted tokens per verification step (default: {DEFAULT_DRAFT})",
+    Option("draft", ("--draft", "--num-draft-tokens", "--draft-max"), int, None,
+           f"most drafted tokens per verification step (default: {COST_DRAFT} under the cost policy, which picks "
+           f"how many each step; else {DEFAULT_DRAFT})",
            ("draft", "num_draft_tokens"), lambda v: v >= 1, "must be at least 1", kwarg="max_draft"),
-    Option("threshold", ("--threshold", "--draft-p-min"), float, DEFAULT_THRESHOLD,
-           f"stop drafting when a draft's probability falls below this (default: {DEFAULT_THRESHOLD}; 0 = never)",
+    Option("threshold", ("--threshold", "--draft-p-min"), float, None,
+           f"stop drafting when a draft's probability falls below this (default: 0 under the cost policy, which "
+           f"weighs every draft itself; else {DEFAULT_THRESHOLD})",
            ("threshold", "draft_p_min"), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    Option("drafter", ("--drafter",), str, "hybrid",
+           "speculative: hybrid (prompt lookup, and the M2R2 fast stream where it pays; default) or fast (the fast "
+           "stream alone)", ("drafter",), lambda v: v in DRAFTERS, f"must be one of: {', '.join(DRAFTERS)}"),
+    Option("policy", ("--policy",), str, None,
+           "speculative: cost (draft and verify only what the costs and acceptance rates measured while decoding "
+           "say pays; default) or always (verify every proposal)",
+           ("policy",), lambda v: v in POLICIES, f"must be one of: {', '.join(POLICIES)}"),
+    Option("width", ("--tree-width",), int, None,
+           f"candidate tokens verified at the first draft position, as a tree (default: {COST_WIDTH} under the "
+           f"cost policy, else 1)", ("tree_width",), lambda v: 1 <= v <= MAX_WIDTH, f"must be in 1..{MAX_WIDTH}"),
     Option("draft_vocab", ("--draft-vocab",), int, None,
            f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} where the "
            "adapters have draft_vocab.json; 0 = the full LM head)",
@@ -83,6 +107,13 @@ OPTIONS = (
            f"tokens the repetition penalty looks back over (default: {REPETITION_CONTEXT})",
            ("repetition_context_size", "repeat_last_n"), lambda v: v >= 1, "must be at least 1", generation=True),
     Option("seed", ("--seed",), int, None, "random seed for sampling", ("seed",), generation=True),
+    # mlx-lm's KV-cache options; a server's are its flags (one cache serves every request)
+    Option("max_kv_size", ("--max-kv-size",), int, None,
+           "keep at most this many positions in the KV cache, dropping the oldest (a rotating cache; plain mode; "
+           "default: the whole context)", (), lambda v: v >= 16, "must be at least 16 positions", cache=True),
+    Option("kv_bits", ("--kv-bits",), int, None,
+           "store the KV cache's keys and values quantized to this many bits (plain mode; default: unquantized)",
+           (), lambda v: v in KV_BITS, f"must be one of {', '.join(map(str, KV_BITS))}", cache=True),
 )
 BY_DEST = {o.dest: o for o in OPTIONS}
 
@@ -103,11 +134,30 @@ def check_options(values: dict, names: str = "flag") -> None:
     for o in OPTIONS:
         if o.dest in values:
             o.check(values[o.dest], o.flag if names == "flag" else (o.fields or (o.dest,))[0])
+    check_cache_options(values)
+
+
+def check_cache_options(values: dict) -> None:
+    """The KV options serve plain decoding: the other modes trim and rewrite the cache in place, which a
+    rotating cache cannot do once it has wrapped, and mlx-lm has no quantized rotating cache."""
+    given = [BY_DEST[d].flag for d in ("max_kv_size", "kv_bits") if values.get(d) is not None]
+    if len(given) == 2:
+        raise M2R2Error("--max-kv-size and --kv-bits cannot be combined (mlx-lm has no quantized rotating cache); "
+                        "choose one")
+    if given and values.get("mode", "plain") != "plain":
+        raise M2R2Error(f"{given[0]} works with --mode plain only (mode {values['mode']!r} trims and rewrites the "
+                        "cache in place); leave it out or decode plainly")
+
+
+def cache_options(values: dict) -> dict:
+    """ChatSession's KV-cache keywords (max_kv_size, kv_bits)."""
+    return {o.dest: values.get(o.dest) for o in OPTIONS if o.cache}
 
 
 def decoder_options(values: dict) -> dict:
     """make_decoder's keyword arguments (besides the model and adapters)."""
-    out = {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if not o.generation and o.dest in values}
+    out = {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS
+           if not (o.generation or o.cache) and o.dest in values}
     out["scaled_tau"] = not out.pop("flat_tau", False)
     out.pop("mode", None)
     return out

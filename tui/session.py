@@ -29,4 +29,5 @@ def make_session(args: argparse.Namespace, lm):
     if args.memory_budget is not None:
         expert_cache = serve_with_budget(lm, args.memory_budget, predictor=args.expert_predictor,
                                          adapters=args.adapters, link_gbps=args.link_gbps)
-    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder, expert_cache=expert_cache)
+    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder, expert_cache=expert_cache,
+                       **options.cache_options(vars(args)))

@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts
@@ -97,7 +97,9 @@ class PromptCache:
         self.states = self.states[:-n] if self.states is not None and n < self.states.shape[0] else None
 
     def _new_layers(self) -> list:
-        layers = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        layers = make_prompt_cache(self.model)
+        if self.max_kv_size:  # models with their own make_cache (llama) ignore make_prompt_cache's max_kv_size
+            layers = [RotatingKVCache(max_size=self.max_kv_size, keep=4) if type(c) is KVCache else c for c in layers]
         return [c.to_quantized(KV_GROUP_SIZE, self.kv_bits) for c in layers] if self.kv_bits else layers
 
     def reset(self) -> None:
