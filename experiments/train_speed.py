@@ -1,0 +1,112 @@
+"""Training speed on this machine: m2r2-train's step (MLX) beside m2r2-train-torch's (PyTorch, one process), on the
+same base, adapters, rows, interval(s), batch and sequence length; tokens/s after warm-up steps, and their ratio.
+
+    python -m experiments.train_speed --data build/data-v3/data.npy --steps 20            # every gate's interval
+    python -m experiments.train_speed --data build/data-v3/data.npy --steps 20 --train-gates 6   # the first only
+
+Both run their trainers' own step code (m2r2_mlx.training.train.Trainer.step under its default CPU kernels, and
+m2r2_torch.train.step_loss + backward + AdamW), each with the machine's threads, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from types import SimpleNamespace
+
+import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.models.blas import blas_info
+from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.training.cpu_kernels import fast_kernels
+from m2r2_mlx.training.train import Trainer, train_gate_indices
+
+import mlx.core as mx
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from m2r2_torch.base import load_base
+from m2r2_torch.fast_stream import M2R2Torch
+from m2r2_torch.train import batch_rows, freeze_untrained, lr_at, step_loss
+from m2r2_torch.train import train_gate_indices as torch_gate_indices
+
+
+def time_steps(step, n_warmup: int, n_steps: int, desc: str) -> float:
+    """Seconds per step over ``n_steps`` after ``n_warmup`` untimed ones; ``step(i)`` runs step i to completion."""
+    for i in range(n_warmup):
+        step(i)
+    t0 = time.perf_counter()
+    for i in tqdm(range(n_warmup, n_warmup + n_steps), desc=desc, unit="step"):
+        step(i)
+    return (time.perf_counter() - t0) / n_steps
+
+
+def mlx_seconds(args, rows, gates) -> float:
+    lm = load_model(args.model)
+    lm.model.freeze()
+    m2r2 = new_m2r2(lm, gates=gates, rank=args.rank)
+    total = args.warmup + args.steps
+    trainer = Trainer(m2r2, lr=args.lr, steps=total, gate_indices=train_gate_indices(m2r2, args.train_gates))
+
+    def step(i):
+        with fast_kernels(True):  # m2r2-train's default on the CPU
+            trainer.step(mx.array(rows[batch_rows(0, i, len(rows), args.batch_size)]))
+
+    return time_steps(step, args.warmup, args.steps, "m2r2-train (MLX)")
+
+
+def torch_seconds(args, rows, gates) -> float:
+    lm = load_base(args.model, "cpu", tokenizer=False)
+    model = M2R2Torch(lm.model, lm.m2r2_config(gates, adapter_rank=args.rank))
+    gate_indices = torch_gate_indices(model.config, args.train_gates)
+    freeze_untrained(model, gate_indices)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    loss_args = SimpleNamespace(distill_temp=1.0, distill_top_k=16, align=1.0)
+    total = args.warmup + args.steps
+
+    def step(i):
+        ids = torch.from_numpy(rows[batch_rows(0, i, len(rows), args.batch_size)].astype(np.int64))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, args.lr, total)
+        loss, _ = step_loss(model, model, ids, None, loss_args, gate_indices, 1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return time_steps(step, args.warmup, args.steps, "m2r2-train-torch (PyTorch)")
+
+
+def _main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.train_speed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, help="token rows (an m2r2-train data.npy)")
+    ap.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
+    ap.add_argument("--gates", default="6,12,18,24")
+    ap.add_argument("--train-gates", help="train only these gates' intervals (default: all)")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256, help="the rows' first N tokens")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per trainer")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    args = ap.parse_args()
+    rows = np.load(args.data)
+    if rows.ndim != 2 or rows.shape[1] < args.seq_len:
+        raise M2R2Error(f"{args.data} holds rows of shape {rows.shape}; need (N, >= {args.seq_len}) token ids")
+    rows = np.ascontiguousarray(rows[:, : args.seq_len])
+    gates = [int(g) for g in args.gates.split(",")]
+    print(blas_info().describe(), f"; torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
+    tokens = args.batch_size * args.seq_len
+    mlx_s, torch_s = mlx_seconds(args, rows, gates), torch_seconds(args, rows, gates)
+    what = f"gates {args.gates}, training {args.train_gates or 'all'}; {args.batch_size} x {args.seq_len} tokens"
+    print(f"| trainer ({what}) | s/step | tokens/s |\n|---|---:|---:|")
+    print(f"| m2r2-train (MLX) | {mlx_s:.2f} | {tokens / mlx_s:.0f} |")
+    print(f"| m2r2-train-torch (PyTorch) | {torch_s:.2f} | {tokens / torch_s:.0f} |")
+    print(f"PyTorch / MLX tokens/s: {mlx_s / torch_s:.2f}x ({args.steps} timed steps each after {args.warmup})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("python -m experiments.train_speed", _main))
