@@ -62,7 +62,7 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
     rows = []
     for j, ((layer, block), gate) in enumerate(zip(blocks, gates)):
         k = top_k(block)
-        logits = np.concatenate([np.array(l, dtype=np.float32) for l in gate.logits])
+        logits = np.concatenate([np.array(l, dtype=np.float32).reshape(-1, l.shape[-1]) for l in gate.logits])
         E = logits.shape[-1]
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)

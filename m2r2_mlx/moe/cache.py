@@ -125,6 +125,7 @@ class ExpertCache:
         self.position = (-1, -1)  # (step, MoE layer ordinal) the forward pass has reached
         self._side = False
         self.resident_only = False  # set while a predictor's pass routes among resident experts only
+        self.fused_rows = 0  # set while the last batch rows are a fast stream fused into the slow pass
         self._warm_fill()
 
     # -- state -----------------------------------------------------------------------------

@@ -49,6 +49,14 @@ class _GateTap(nn.Module):
         super().__init__()
         self.layer, self.index, self.predictor = layer, index, predictor
 
+    def __getattr__(self, key: str):  # the model reads its layers' attributes (llama: use_sliding)
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if "layer" not in self:  # still being built
+                raise
+            return getattr(self["layer"], key)
+
     def __call__(self, h, mask=None, cache=None):
         if self.predictor.running:  # the fast stream itself passing through: nothing to record
             return self.layer(h, mask, cache=cache)

@@ -34,8 +34,14 @@ class CachedSwitchGLU(nn.Module):
         cache, layer = self.cache, self.layer
         if cache.resident_only:  # a predictor running ahead, routed to resident experts: no loads, no sync
             return self.inner(x, cache.slot_map(layer)[indices])
-        ids = np.array(indices)  # a sync point: which experts to load is known only once the router ran
         d = x.shape[-1]
+        if cache.fused_rows:  # a fast stream riding along as the last batch rows: routed to the slow rows' experts
+            slow = x.shape[0] - cache.fused_rows
+            ids = np.array(indices[:slow])
+            rounds = cache.begin_layer(layer, x[:slow].reshape(-1, d), ids.reshape(-1))
+            cache.ensure(layer, rounds[0])  # decode steps only: one token's experts fit the slots
+            return self.inner(x, cache.slot_map(layer)[indices])
+        ids = np.array(indices)  # a sync point: which experts to load is known only once the router ran
         rounds = cache.begin_layer(layer, x.reshape(-1, d), ids.reshape(-1))
         if len(rounds) == 1:
             cache.ensure(layer, rounds[0])

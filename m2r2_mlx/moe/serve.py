@@ -17,13 +17,14 @@ from ..models.registry import LoadedModel, cache_home
 from .blocks import moe_blocks
 from .cache import ExpertCache, parse_budget
 from .fast_predictor import FastStreamPredictor
+from .fused_predictor import FusedPredictor
 from .link import Link
 from .offload import offload_experts
 from .predictors import PreGating, ShuffledControl
 from .prefetch import Prefetcher
 from .store import ExpertStore
 
-PREDICTORS = ("pregating", "m2r2", "shuffled", "none")
+PREDICTORS = ("pregating", "m2r2", "m2r2-fused", "shuffled", "none")
 
 
 def store_folder(lm: LoadedModel) -> Path:
@@ -45,7 +46,7 @@ def serve_with_budget(lm: LoadedModel, budget: str, *, predictor: str = "pregati
         raise M2R2Error(f"unknown expert predictor {predictor!r}; choose from {', '.join(PREDICTORS)}")
     parse_budget(budget)  # bad input fails before the (possibly long) export
     m2r2 = None
-    if predictor == "m2r2":
+    if predictor.startswith("m2r2"):
         if adapters is None:
             raise M2R2Error("--expert-predictor m2r2 needs --adapters trained on this model")
 
@@ -72,6 +73,8 @@ def attach_predictor(cache: ExpertCache, predictor: str, m2r2=None, intervals: i
         return PreGating().attach(cache)
     if predictor == "shuffled":
         return ShuffledControl(seed=0).attach(cache)
+    if predictor == "m2r2-fused":
+        return FusedPredictor(m2r2).attach(cache)
 
     return FastStreamPredictor(m2r2, intervals=intervals).attach(cache)
 

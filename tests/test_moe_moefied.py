@@ -1,0 +1,163 @@
+"""The MoEfied SmolLM2 (m2r2_mlx.moe.moefy) on a real slice: its first 4 layers cut into 8 experts, top-2.
+
+It loads through mlx-lm's own loader by model_type; with every expert chosen it is the dense slice;
+its experts offload to an expert store and cache, and decoding within a budget, with any predictor
+(the fused-row M2R2 one included), gives the all-resident model's tokens. Bad input is one line.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.models.moefied_llama import ModelArgs, MoefiedMLP
+from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.moe import ExpertStore, moe_blocks, offload_experts
+from m2r2_mlx.moe.fused_predictor import prediction_plan
+from m2r2_mlx.moe.moefy import balanced_kmeans, layer_pass, moefy_layer
+from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
+from m2r2_mlx.moe.serve import attach_predictor
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm import load as mlx_lm_load
+
+from bench.moe_bench import greedy
+
+LAYERS, EXPERTS, TOP_K = 4, 8, 2
+
+
+def _moefy(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.moe.moefy", *args], capture_output=True, text=True,
+                       timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moefy") / "smollm2-moe-slice"
+    _moefy("-o", str(out), "--layers", str(LAYERS), "--experts", str(EXPERTS), "--top-k", str(TOP_K),
+           "--tokens", "2048", "--heldout-tokens", "512", "--router-steps", "60")
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(folder, tmp_path_factory):
+    return ExpertStore.export(load_model(str(folder), tokenizer=False).model, tmp_path_factory.mktemp("s") / "x")
+
+
+@pytest.fixture(scope="module")
+def prompt(folder):
+    return np.load(folder / "heldout.npy")[:24]
+
+
+def test_folder_loads_with_mlx_lm_and_routes_top_k(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "moefied_llama" and cfg["num_hidden_layers"] == LAYERS
+    model, tokenizer = mlx_lm_load(str(folder))  # mlx-lm's own loader, by model_type
+    blocks = moe_blocks(model)
+    assert [i for i, _ in blocks] == list(range(LAYERS))
+    assert all(b.top_k == TOP_K and b.switch_mlp.gate_proj.weight.shape == (EXPERTS, 1536 // EXPERTS, 576)
+               for _, b in blocks)
+    assert tokenizer.encode("Hello") == load_model("smollm2").tokenizer.encode("Hello")
+    record = json.loads((folder / "moefy.json").read_text())
+    q = record["quality"]
+    # a real split: worse than the dense slice, yet the router beats chance at finding the heaviest groups
+    assert q["moe_ppl"] > q["dense_ppl"] and 0 < q["greedy_agreement"] < 1
+    assert all(layer["router_recall_of_top_groups"] > TOP_K / EXPERTS for layer in record["layers"])
+
+
+def test_every_expert_chosen_is_the_dense_ffn(prompt):
+    """Grouping and routing only partition the FFN: with all experts chosen (and the dense down projections,
+    --no-refit) the block computes the dense FFN."""
+    lm = load_model("smollm2", tokenizer=False)
+    layer = lm.model.model.layers[2]
+    _, x, mass = layer_pass(layer, lm.model.model.embed_tokens(mx.array(prompt[None].astype(np.int32))), 1)
+    weights, stats, _ = moefy_layer(layer, x, mass, EXPERTS, EXPERTS, router_steps=5, cluster_tokens=64, seed=0)
+    block = MoefiedMLP(ModelArgs.from_dict({**lm.config, "num_experts": EXPERTS, "num_experts_per_tok": EXPERTS}))
+    block.load_weights(list(weights.items()))
+    a, b = block(mx.array(x)), layer.mlp(mx.array(x))
+    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), float(mx.abs(a - b).max())
+    assert stats["router_mass"] == pytest.approx(1.0) and stats["oracle_mass"] == pytest.approx(1.0)
+
+
+def test_balanced_kmeans_groups_coactivating_rows_equally():
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(4, 64))
+    rows = np.repeat(base, 8, axis=0) + 0.01 * rng.normal(size=(32, 64))  # 4 true groups of 8
+    assign = balanced_kmeans(rows, 4)
+    assert np.bincount(assign).tolist() == [8, 8, 8, 8]
+    assert all(len(set(assign[g * 8: (g + 1) * 8])) == 1 for g in range(4))
+
+
+def _m2r2(lm):
+    m = new_m2r2(lm, gates=[1, 2, 3], rank=8)
+    mx.random.seed(1)  # nonzero adapters: the fast row really differs from the slow one
+    m.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), m.parameters()))
+    return m
+
+
+@pytest.mark.parametrize("method", ["none", "pregating", "m2r2", "m2r2-fused"])
+def test_budgeted_decoding_gives_the_resident_tokens(folder, store, prompt, method):
+    reference, _ = greedy(load_model(str(folder), tokenizer=False).model, prompt, 10)
+    lm = load_model(str(folder), tokenizer=False)
+    cache = offload_experts(lm.model, store, 0.25, link=link_for(2.0, store.expert_bytes(), 0.2))
+    assert cache.slots_per_layer == {i: TOP_K for i in range(LAYERS)}
+    predictor = attach_predictor(cache, method, _m2r2(lm) if method.startswith("m2r2") else None)
+    tokens, _ = greedy(lm.model, prompt, 10, on_prefilled=cache.reset)
+    assert tokens == reference
+    s = cache.stats
+    assert s.steps == 9 and s.misses > 0
+    if method == "m2r2-fused":
+        # gates 1/2/3: the exit after layer 0 predicts layers 1-2, after layer 1 layer 3; layers 0-1 carry the fast row
+        assert {l for l, st in s.layers.items() if st.predicted} == {1, 2, 3}
+        assert all(s.layers[l].predicted == 9 * TOP_K for l in (1, 2, 3))
+        assert predictor.fast_layer_passes == 2 * 9 and 0 < s.recall <= 1
+        predictor.detach()
+        assert all(type(layer).__name__ != "_FusedTap" for layer in lm.model.layers)
+    cache.close()
+
+
+def test_fused_prediction_plan_for_smollm2_gates():
+    assert prediction_plan([(0, 1), (1, 2), (2, 3)], 4, [0, 1, 2, 3]) == {1: [1, 2], 2: [3]}
+    # the packaged adapters' gates 6/12/18/24 on 30 layers: a whole interval of lead from the second exit on
+    intervals = [(0, 6), (6, 12), (12, 18), (18, 24)]
+    assert prediction_plan(intervals, 30, list(range(30))) == {6: list(range(6, 18)), 12: list(range(18, 24)),
+                                                               18: list(range(24, 30))}
+
+
+def test_bad_input_is_one_clear_line(folder, store, tmp_path):
+    with pytest.raises(M2R2Error, match="minimum is 25.0%"):  # a budget below top-k
+        offload_experts(load_model(str(folder), tokenizer=False).model, store, 0.2)
+    with pytest.raises(M2R2Error, match="unknown device profile 'laptop'.*macbook"):
+        get_profile("laptop")
+    assert set(PROFILES) == {"macbook", "pcie-gpu"}
+    with pytest.raises(M2R2Error, match="no SwitchGLU mixture-of-experts"):  # a model without experts
+        ExpertStore.export(load_model("smollm2", tokenizer=False).model, tmp_path / "dense")
+    assert not (tmp_path / "dense").exists()
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store.folder, damaged)
+    layer_file = damaged / "layer_001.safetensors"
+    data = bytearray(layer_file.read_bytes())
+    data[-5] ^= 0xFF  # altered: same size, one expert's bytes changed
+    layer_file.write_bytes(bytes(data))
+    with pytest.raises(M2R2Error, match="fails its checksum"):
+        ExpertStore.open(damaged).read(1, EXPERTS - 1)
+    layer_file.write_bytes(bytes(data[:-100]))  # truncated
+    with pytest.raises(M2R2Error, match="truncated or altered"):
+        ExpertStore.open(damaged)
+
+    for args, says in [(["--experts", "7"], "does not divide"), (["--top-k", "17"], "--top-k between"),
+                       ([], "already exists")]:
+        out = folder if not args else tmp_path / "never"
+        r = _moefy("-o", str(out), "--layers", "1", *args, check=False)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "never").exists()  # nothing half-written
