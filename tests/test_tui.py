@@ -3,10 +3,11 @@
 import argparse
 import asyncio
 
-from textual.widgets import Input, Static
+from textual.widgets import Markdown, Static
 
 from tui.app import ChatApp
 from tui.chat import build_parser
+from tui.composer import Composer
 
 
 def _args(*argv) -> argparse.Namespace:
@@ -26,7 +27,7 @@ def _answers(app):
 
 
 async def _ask(pilot, app, text):
-    box = app.query_one("#input", Input)
+    box = app.query_one("#input", Composer)
     await _wait(pilot, lambda: not box.disabled)
     before = len(app.session.messages)
     box.value = text
@@ -58,7 +59,7 @@ def test_chat_answers_and_shows_stats(lm):
 
 
 async def _ask_command(pilot, app, text):
-    box = app.query_one("#input", Input)
+    box = app.query_one("#input", Composer)
     box.value = text
     await pilot.press("enter")
     await pilot.pause(0.2)
@@ -68,7 +69,7 @@ def test_escape_cancels_and_input_unlocks(lm):
     async def run():
         app = ChatApp(_args("--max-tokens", "400"), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
-            box = app.query_one("#input", Input)
+            box = app.query_one("#input", Composer)
             await _wait(pilot, lambda: not box.disabled)
             box.value = "Write a very long story about a dragon."
             await pilot.press("enter")
@@ -130,5 +131,30 @@ def test_modes_switch_live_and_keep_the_conversation(lm):
             assert any("unknown mode" in str(w.render()) for w in app.query(".notice").results(Static))
             assert [m["role"] for m in app.session.messages] == ["user", "assistant"] * 2
             assert plain_answer == app.session.messages[1]["content"]
+
+    asyncio.run(run())
+
+
+def test_multiline_message_and_markdown_answer(lm):
+    async def run():
+        app = ChatApp(_args("--max-tokens", "24"), lm=lm)
+        async with app.run_test(size=(120, 36)) as pilot:
+            box = app.query_one("#input", Composer)
+            await _wait(pilot, lambda: not box.disabled)
+            box.value = "Name two fruits,"
+            await pilot.press("ctrl+j", *"one per line.")  # Ctrl+J: a new line, not a send
+            assert box.text == "Name two fruits,\none per line." and app.session.messages == []
+            await pilot.press("enter")
+            await _wait(pilot, lambda: len(app.session.messages) == 2 and not app.streaming)
+            await pilot.pause(0.2)
+            assert app.session.messages[0]["content"] == "Name two fruits,\none per line." and box.text == ""
+            (md,) = app.query(".reply-md").results(Markdown)
+            assert md.source == app.session.last_answer and md.display
+            coloured = _answers(app)[-1]
+            assert not coloured.display  # the exit-colour rendering waits behind F5
+            await pilot.press("f5")
+            assert coloured.display and not md.display
+            await pilot.press("f5")
+            assert md.display and not coloured.display
 
     asyncio.run(run())

@@ -3,7 +3,8 @@
 What varies between machines and runs is pinned, nothing else: the decode clock (a fake
 perf_counter inside the decoding engine only), the BLAS line, the peak-memory reading and
 the input's blinking cursor (held solid).
-Tokens, their exit-depth colours, the legend, the panel layout and the histogram are real.
+Tokens, the answer as Markdown, their exit-depth colours (F5), the legend, the panel layout and the histogram
+are real.
 Update after an intended UI change with: pytest tests/test_tui_snapshots.py --snapshot-update
 """
 
@@ -14,11 +15,11 @@ from m2r2_mlx.models.blas import BlasInfo
 
 import mlx.core as mx
 import pytest
-from textual.widgets import Input
 
 import tui.app as app_module
 from tui.app import ChatApp
 from tui.chat import build_parser
+from tui.composer import Composer
 
 from .test_tui import _ask
 
@@ -39,7 +40,7 @@ def _app(lm, *argv):
 
 def _steady_cursor(pilot):
     """The input's cursor blinks on a timer: a snapshot could catch it either way. Keep it solid."""
-    pilot.app.query_one("#input", Input).cursor_blink = False
+    pilot.app.query_one("#input", Composer).cursor_blink = False
 
 
 def test_snapshot_plain_answer(lm, steady, snap_compare):
@@ -54,5 +55,6 @@ def test_snapshot_early_exit_colours(lm, steady, snap_compare):
     async def ask(pilot):
         _steady_cursor(pilot)
         await _ask(pilot, pilot.app, "Name three colors.")
+        await pilot.press("f5")  # the answer's tokens in their exit-depth colours rather than as Markdown
 
     assert snap_compare(_app(lm, "--mode", "early-exit", "--tau", "0.6"), terminal_size=SIZE, run_before=ask)

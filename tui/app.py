@@ -22,13 +22,16 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Footer, Header, Input, Label, Sparkline, Static
+from textual.widgets import Footer, Header, Label, Markdown, Sparkline, Static
 
+from .composer import Composer
+from .options import check_cache_options
 from .render import legend, token_text
 from .session import generation_options, make_decoder, make_session
 
 HELP = (
-    "F2 next mode · F3/F4 tau -/+ · /mode plain|speculative|early-exit · /tau X · /regen  answer again · "
+    "Enter sends, Ctrl+J new line · F2 next mode · F3/F4 tau -/+ · F5 Markdown/exit colours · "
+    "/mode plain|speculative|early-exit · /tau X · /regen  answer again · "
     "/reset  new conversation · /save FILE (/save! FILE overwrites) · /load FILE · /copy  copy last answer · /quit"
 )
 LIVE_MODES = ("plain", "speculative", "early-exit")  # what F2 cycles through
@@ -61,6 +64,11 @@ class ChatApp(App):
     #side { width: 38; border-left: solid $primary; padding: 0 1; }
     .user { color: $text-muted; margin-top: 1; }
     .assistant { margin-bottom: 1; }
+    /* a finished answer shows as Markdown; F5 shows its tokens coloured by exit depth instead */
+    .reply-colours { display: none; }
+    .reply-md { margin: 0 0 1 0; padding: 0; background: $background; }
+    Screen.colours .reply-colours { display: block; }
+    Screen.colours .reply-md { display: none; }
     .notice { color: $warning; }
     #spark { height: 3; }
     #legend { height: 1; padding: 0 1; }
@@ -73,6 +81,7 @@ class ChatApp(App):
         Binding("f2", "next_mode", "Mode"),
         Binding("f3", "tau(-0.05)", "tau-"),
         Binding("f4", "tau(0.05)", "tau+"),
+        Binding("f5", "toggle_colours", "Markdown/colours"),
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
@@ -96,7 +105,7 @@ class ChatApp(App):
                 yield Sparkline([], id="spark")
                 yield Static("", id="hist")
         yield Static("", id="legend")
-        yield Input(placeholder="loading the model…", id="input", disabled=True)
+        yield Composer(placeholder="loading the model…", id="input", disabled=True)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -112,7 +121,7 @@ class ChatApp(App):
 
     def _job_load(self) -> None:
         try:
-            lm = self.lm or load_model(self.args.model)
+            lm = self.lm or load_model(self.args.model, lazy=self.args.memory_budget is not None)
             self.session = make_session(self.args, lm)
         except M2R2Error as e:
             self.call_from_thread(self._post, f"error: {e}", "notice")
@@ -151,6 +160,7 @@ class ChatApp(App):
         """Runs on the MLX thread: a new decoder for the same session (history and cache kept)."""
         a = self.args
         try:
+            check_cache_options(vars(a))  # a KV cache shaped by --max-kv-size/--kv-bits serves plain mode only
             decoder = make_decoder(a, self.lm)
         except M2R2Error as e:
             a.mode, a.tau = old
@@ -181,9 +191,9 @@ class ChatApp(App):
         return widget
 
     def _unlock_input(self) -> None:
-        box = self.query_one("#input", Input)
+        box = self.query_one("#input", Composer)
         box.disabled = False
-        box.placeholder = "message, or /help"
+        box.placeholder = "message, or /help (Enter sends, Ctrl+J new line)"
         box.focus()
 
     def _expert_lines(self) -> str:
@@ -204,6 +214,8 @@ class ChatApp(App):
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
             f"tokens         {s.tokens:8d}\n"
             f"accepted/step  {accepted:8.2f}\n"
+            + (f"drafting {('off' if s.plan == 'plain' else s.plan)[:20]:>20s}\n"
+               f"drafts   {s.drafts_line()[:20]:>20s}\n" if s.plan else "") +
             f"layers skipped {100 * s.layers_skipped:7.0f}%\n"
             f"peak memory    {s.peak_memory_gb:6.2f} GB\n"
             f"prefill        {s.prefill_tokens:>4d}/{s.prompt_tokens:<4d}\n"
@@ -219,11 +231,11 @@ class ChatApp(App):
         )
 
     # ---- answering ----------------------------------------------------------------------
-    def on_input_submitted(self, event: Input.Submitted) -> None:
+    def on_composer_submitted(self, event: Composer.Submitted) -> None:
         text = event.value.strip()
-        event.input.value = ""
         if not text or self.streaming or self.session is None:
-            return
+            return  # what was typed stays in the box until it can be sent
+        event.composer.value = ""
         if text.startswith("/"):
             self._run_command(text)
             return
@@ -233,7 +245,7 @@ class ChatApp(App):
     def _start_answer(self, make_stream: Callable[[], Iterator]) -> None:
         self.streaming = True
         self.cancel_event.clear()
-        box = self.query_one("#input", Input)
+        box = self.query_one("#input", Composer)
         box.disabled = True
         box.placeholder = "answering… (Esc cancels)"
         widget = self._post(Text(""), "assistant")
@@ -247,7 +259,7 @@ class ChatApp(App):
             try:
                 for ev in stream:
                     stats.add(ev)
-                    text.append_text(token_text(ev.text, ev.exit_layer, ev.num_layers, ev.drafted))
+                    text.append_text(token_text(ev.text, ev.exit_layer, ev.num_layers, ev.drafted, ev.source))
                     self.call_from_thread(self._stream_progress, widget, text.copy(), stats)
                     if self.cancel_event.is_set():
                         note = "cancelled"
@@ -256,19 +268,28 @@ class ChatApp(App):
                 stream.close()  # the session records the partial answer; the cache stays consistent
         except M2R2Error as e:
             note = f"error: {e}"
-        self.call_from_thread(self._stream_finished, stats, note)
+        self.call_from_thread(self._stream_finished, widget, stats, note)
 
     def _stream_progress(self, widget: Static, text: Text, stats: AnswerStats) -> None:
         widget.update(text)
         self._update_stats(stats)
         self.query_one("#log", VerticalScroll).scroll_end(animate=False)
 
-    def _stream_finished(self, stats: AnswerStats, note: str | None) -> None:
+    def _stream_finished(self, widget: Static, stats: AnswerStats, note: str | None) -> None:
         self.streaming = False
+        self._show_markdown(widget, self.session.last_answer)
         if note:
             self._post(note, "notice")
         self._update_stats(stats)
         self._unlock_input()
+
+    def _show_markdown(self, widget: Static, answer: str) -> None:
+        """A finished answer as Markdown, beside its exit-colour rendering (shown instead with F5)."""
+        widget.add_class("reply-colours")
+        self.query_one("#log", VerticalScroll).mount(Markdown(answer, classes="reply-md"), after=widget)
+
+    def action_toggle_colours(self) -> None:
+        self.screen.toggle_class("colours")
 
     # ---- actions and slash commands ------------------------------------------------------
     def action_cancel(self) -> None:
@@ -320,11 +341,10 @@ class ChatApp(App):
                 self.session.load(arg)
                 self.query_one("#log", VerticalScroll).remove_children()
                 for m in self.session.messages:
-                    if m["role"] != "system":
-                        self._post(
-                            Text(("you › " if m["role"] == "user" else "") + m["content"]),
-                            "user" if m["role"] == "user" else "assistant",
-                        )
+                    if m["role"] == "user":
+                        self._post(Text("you › " + m["content"]), "user")
+                    elif m["role"] == "assistant":
+                        self._show_markdown(self._post(Text(m["content"]), "assistant"), m["content"])
                 self._post(f"loaded {Path(arg).name}", "notice")
             elif cmd == "/mode":
                 self.switch_mode(arg)
