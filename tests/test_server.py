@@ -137,6 +137,8 @@ def test_sampler_fields_pass_through(server):
     assert "1111111111" in greedy
     penalised = _ask(client, COOK, max_tokens=40, repeat_penalty=1.1)  # llama.cpp's name
     assert "1111111111" not in penalised and penalised == _ask(client, COOK, max_tokens=40, repetition_penalty=1.1)
+    # a context of one token penalises only the token just emitted: another answer
+    assert _ask(client, COOK, max_tokens=40, repeat_penalty=1.1, repeat_last_n=1) != penalised
     # sampling at temperature 1 that keeps only the most likely token is greedy decoding
     assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, top_k=1, seed=3) == \
         _ask(client, QUESTIONS[1], max_tokens=16)

@@ -165,7 +165,4 @@ def decoder_options(values: dict) -> dict:
 
 def generation_options(values: dict) -> dict:
     """Each decoding call's keyword arguments (max_tokens, temperature...)."""
-    out = {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if o.generation and o.dest in values}
-    if out.get("repetition_context_size") == REPETITION_CONTEXT:  # the decoders' own default: nothing to pass
-        del out["repetition_context_size"]
-    return out
+    return {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if o.generation and o.dest in values}
