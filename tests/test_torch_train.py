@@ -172,3 +172,33 @@ def test_existing_output_needs_force_one_line(base, tmp_path):
     assert r.stderr.strip().splitlines() == [f"m2r2-train-torch: error: {out} already exists; choose another folder "
                                              "or pass --force"]
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_the_pytorch_side_imports_without_mlx():
+    """A GPU machine has torch and transformers but no mlx: the trainer, the job's tools and the GGUF importer load."""
+    code = ("import sys; sys.modules.update({'mlx': None, 'mlx.core': None, 'mlx_lm': None}); "
+            "import m2r2_torch.train, m2r2_torch.magpie, m2r2_torch.parts, m2r2_mlx.models.gguf_import; "
+            "from m2r2_torch.base import resolve_base; print(resolve_base.__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_without_mlx_the_checkpoint_converts_here(base, tmp_path):
+    """Trained where mlx is missing, OUTPUT holds the PyTorch checkpoint and says how to convert it; m2r2-convert
+    then gives an adapters folder that loads for the base."""
+    _, _, lm, _ = base
+    argv = args_for(base, tmp_path / "gpu", steps=2)
+    code = ("import sys; sys.modules.update({'mlx': None, 'mlx.core': None, 'mlx_lm': None}); "
+            f"sys.argv = ['m2r2-train-torch', *{argv!r}]; from m2r2_torch.train import main; main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "so no MLX folder); convert it where mlx is: m2r2-convert" in r.stderr
+    assert not (tmp_path / "gpu" / "m2r2_config.json").exists()
+    assert (tmp_path / "gpu" / "torch" / "draft_vocab.json").is_file()
+    c = subprocess.run([sys.executable, "-m", "convert.cli", tmp_path / "gpu" / "torch", "--base", base[0], "-o",
+                        tmp_path / "mlx"], capture_output=True, text=True, cwd=ROOT, check=False,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert c.returncode == 0, c.stderr
+    assert load_adapters(lm, tmp_path / "mlx").config.extra["recipe"]["steps"] == 2
