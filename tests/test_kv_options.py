@@ -7,12 +7,16 @@ import os
 import subprocess
 import sys
 
+from m2r2_mlx.core.hub import packaged_adapters
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.generate import PromptCache, generate
 
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
+from server.cli import build_parser, defaults_from
+from server.protocol import RequestError, parse_request
+from server.worker import ModelWorker
 from tests.conftest import FRANCE
 
 
@@ -65,3 +69,14 @@ def test_bad_kv_options_are_one_line(args, message):
     r = _chat(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+
+
+def test_server_refuses_a_mode_its_kv_cache_does_not_serve():
+    defaults = defaults_from(build_parser().parse_args(["--kv-bits", "4"]))
+    worker = ModelWorker(lambda: None, packaged_adapters("smollm2"), defaults)  # not started: submit only queues
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(RequestError, match="--kv-bits works with --mode plain only") as e:
+        worker.submit(parse_request("chat", {**body, "mode": "speculative"}, defaults))
+    assert e.value.status == 400 and e.value.param == "mode"
+    worker.submit(parse_request("chat", body, defaults))  # plain: queued
+    assert worker.jobs.qsize() == 1
