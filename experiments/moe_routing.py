@@ -78,7 +78,8 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
         if j + 1 < len(blocks):  # next-layer pre-gating recall
             x = mx.concatenate([a.reshape(-1, a.shape[-1]) for a in gate.inputs])
             pred = np.array(router(blocks[j + 1][1])(x))  # the routers are restored by now
-            actual = np.argpartition(-np.concatenate([np.array(l) for l in gates[j + 1].logits]), k - 1, axis=-1)[:, :k]
+            actual = np.concatenate([np.array(l).reshape(-1, l.shape[-1]) for l in gates[j + 1].logits])
+            actual = np.argpartition(-actual, k - 1, axis=-1)[:, :k]
             row["pregate_recall"] = float((pred[:, :, None] == actual[:, None, :]).any(-1).mean())
         rows.append(row)
     return rows
