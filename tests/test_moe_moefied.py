@@ -57,6 +57,7 @@ def prompt(folder):
     return np.load(folder / "heldout.npy")[:24]
 
 
+@pytest.mark.slow
 def test_folder_loads_with_mlx_lm_and_routes_top_k(folder):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "moefied_llama" and cfg["num_hidden_layers"] == LAYERS
@@ -73,6 +74,7 @@ def test_folder_loads_with_mlx_lm_and_routes_top_k(folder):
     assert all(layer["router_recall_of_top_groups"] > TOP_K / EXPERTS for layer in record["layers"])
 
 
+@pytest.mark.slow
 def test_every_expert_chosen_is_the_dense_ffn(prompt):
     """Grouping and routing only partition the FFN: with all experts chosen (and the dense down projections,
     --no-refit) the block computes the dense FFN."""
@@ -103,6 +105,7 @@ def _m2r2(lm):
     return m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["none", "pregating", "m2r2", "m2r2-fused"])
 def test_budgeted_decoding_gives_the_resident_tokens(folder, store, prompt, method):
     reference, _ = greedy(load_model(str(folder), tokenizer=False).model, prompt, 10)
@@ -132,6 +135,7 @@ def test_fused_prediction_plan_for_smollm2_gates():
                                                                18: list(range(24, 30))}
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(folder, store, tmp_path):
     with pytest.raises(M2R2Error, match="minimum is 25.0%"):  # a budget below top-k
         offload_experts(load_model(str(folder), tokenizer=False).model, store, 0.2)
@@ -161,3 +165,11 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
         assert len(r.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "never").exists()  # nothing half-written
+
+
+@pytest.mark.skipif(shutil.which("m2r2-bench") is None, reason="package not installed (pip install -e .)")
+def test_bench_unknown_profile_is_one_line():
+    r = subprocess.run([shutil.which("m2r2-bench"), "--moe", "--profile", "laptop"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "unknown device profile 'laptop'" in r.stderr and "pcie-gpu" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
