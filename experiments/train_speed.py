@@ -5,12 +5,14 @@ same base, adapters, rows, interval(s), batch and sequence length; tokens/s afte
     python -m experiments.train_speed --data build/data-v3/data.npy --steps 20 --train-gates 6   # the first only
 
 Both run their trainers' own step code (m2r2_mlx.training.train.Trainer.step under its default CPU kernels, and
-m2r2_torch.train.step_loss + backward + AdamW), each with the machine's threads, one after the other.
+m2r2_torch.train.step_loss + backward + AdamW), each in a process of its own with the machine's threads, one after
+the other (neither framework's threads or caches linger in the other's measurement).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -79,6 +81,16 @@ def torch_seconds(args, rows, gates) -> float:
     return time_steps(step, args.warmup, args.steps, "m2r2-train-torch (PyTorch)")
 
 
+def side_seconds(side: str) -> float:
+    """Seconds per step of one trainer, measured in a fresh process (this command with --side)."""
+    r = subprocess.run([sys.executable, "-m", "experiments.train_speed", *sys.argv[1:], "--side", side],
+                       stdout=subprocess.PIPE, text=True, check=False)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("SECONDS_PER_STEP ")]
+    if r.returncode or not lines:
+        raise M2R2Error(f"the {side} trainer's run failed (exit {r.returncode}); its messages are above")
+    return float(lines[-1].split()[1])
+
+
 def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.train_speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="token rows (an m2r2-train data.npy)")
@@ -91,15 +103,20 @@ def _main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per trainer")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--side", choices=("mlx", "torch"), help=argparse.SUPPRESS)  # one trainer, in its own process
     args = ap.parse_args()
     rows = np.load(args.data)
     if rows.ndim != 2 or rows.shape[1] < args.seq_len:
         raise M2R2Error(f"{args.data} holds rows of shape {rows.shape}; need (N, >= {args.seq_len}) token ids")
     rows = np.ascontiguousarray(rows[:, : args.seq_len])
     gates = [int(g) for g in args.gates.split(",")]
+    if args.side:
+        seconds = (mlx_seconds if args.side == "mlx" else torch_seconds)(args, rows, gates)
+        print(f"SECONDS_PER_STEP {seconds}")
+        return 0
     print(blas_info().describe(), f"; torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     tokens = args.batch_size * args.seq_len
-    mlx_s, torch_s = mlx_seconds(args, rows, gates), torch_seconds(args, rows, gates)
+    mlx_s, torch_s = (side_seconds(side) for side in ("mlx", "torch"))
     what = f"gates {args.gates}, training {args.train_gates or 'all'}; {args.batch_size} x {args.seq_len} tokens"
     print(f"| trainer ({what}) | s/step | tokens/s |\n|---|---:|---:|")
     print(f"| m2r2-train (MLX) | {mlx_s:.2f} | {tokens / mlx_s:.0f} |")
