@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from .tree import DraftTree
@@ -26,20 +27,27 @@ CONFIDENCE_EDGES = (0.1, 0.2, 0.4, 0.6, 0.8)  # fast-stream draft probability bu
 
 
 class StepCosts:
-    """Seconds per verification forward (by positions verified) and per fast-stream draft step: an exponential
-    moving average per size; sizes not measured yet come from a least-squares line through those measured."""
+    """Seconds per verification forward (by positions verified) and per fast-stream draft step.
 
-    def __init__(self, draft_fraction: float, smoothing: float = 0.2):
-        self.verify: dict[int, float] = {}
+    Each size's time is the median of its latest measurements (a forward that a busy machine or a first-time
+    shape slowed down does not move it). A size measured fewer than twice reads a line through the others,
+    weighted by how often each was measured."""
+
+    def __init__(self, draft_fraction: float, smoothing: float = 0.2, window: int = 15, max_weight: int = 10):
+        self.times: dict[int, deque] = {}
         self.draft: float | None = None
         self.draft_fraction = draft_fraction  # before any draft step is timed: that share of a one-token forward
-        self.smoothing = smoothing
+        self.smoothing, self.window, self.max_weight = smoothing, window, max_weight
+
+    @property
+    def verify(self) -> dict[int, float]:
+        return {n: statistics.median(ts) for n, ts in sorted(self.times.items())}
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        self.verify[n] = self._ema(self.verify.get(n), seconds)
+        self.times.setdefault(n, deque(maxlen=self.window)).append(seconds)
 
     def observe_draft(self, seconds_per_step: float) -> None:
         self.draft = self._ema(self.draft, seconds_per_step)
@@ -49,14 +57,19 @@ class StepCosts:
         return len(self.verify) >= 2
 
     def verify_cost(self, n: int) -> float:
-        if n in self.verify:
-            return self.verify[n]
-        xs, ys = list(self.verify), list(self.verify.values())
+        if len(self.times.get(n, ())) >= 2:
+            return statistics.median(self.times[n])
+        verify = self.verify
+        xs, ys = list(verify), list(verify.values())
         if len(xs) < 2:
             base = ys[0] if ys else 1.0
             return base * (1 + 0.05 * (n - (xs[0] if xs else 1)))  # until a second size is timed
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+        ws = [min(len(self.times[x]), self.max_weight) for x in xs]
+        total = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs)) / total
+        my = sum(w * y for w, y in zip(ws, ys)) / total
+        slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / max(
+            sum(w * (x - mx) ** 2 for w, x in zip(ws, xs)), 1e-12)
         return max(my + max(slope, 0.0) * (n - mx), 1e-6)
 
     def draft_cost(self) -> float:
@@ -98,8 +111,9 @@ class Acceptance:
     def rate(self, kind: str, depth: int, signal: float | None = None) -> float:
         return self._posterior(kind, depth, signal)[0]
 
-    def optimistic(self, kind: str, depth: int) -> float:
-        mean, std = self._posterior(kind, depth, None)
+    def optimistic(self, kind: str, depth: int, signal: float | None = None) -> float:
+        """Mean + one standard deviation: what a proposal is worth trying at while its rate is uncertain."""
+        mean, std = self._posterior(kind, depth, signal)
         return min(mean + std, 1.0)
 
     def observe(self, kind: str, depth: int, signal: float | None, accepted: bool) -> None:
@@ -121,10 +135,11 @@ class Planner:
         self.costs, self.acceptance, self.max_nodes = costs, acceptance, max_nodes
 
     def reach(self, tree: DraftTree) -> list[float]:
-        """pi per node: the probability that verification accepts it (1 for the root)."""
+        """pi per node: the probability that verification accepts it (1 for the root), on optimistic rates:
+        verifying one more position costs little, and a proposal never verified would never be learnt about."""
         pi = [1.0]
         for node in range(1, len(tree)):
-            rate = max(self.acceptance.rate(k, tree.depths[node], tree.signal.get((k, node)))
+            rate = max(self.acceptance.optimistic(k, tree.depths[node], tree.signal.get((k, node)))
                        for k in tree.sources[node])
             pi.append(pi[tree.parents[node]] * rate)
         return pi
@@ -166,7 +181,7 @@ class Planner:
         the rate the draft's probability gives its node, and the next depth's overall rate)."""
         def decide(node: int, confidence: float) -> bool:
             chosen, tokens, seconds = self.select(tree)
-            pi = self.reach(tree)[node] * self.acceptance.rate(kind, tree.depths[node] + 1)
+            pi = self.reach(tree)[node] * self.acceptance.optimistic(kind, tree.depths[node] + 1)
             extra = self.costs.draft_cost() + self.costs.verify_cost(len(chosen) + 1) - self.costs.verify_cost(
                 len(chosen))
             return pi * seconds > tokens * extra

@@ -164,17 +164,18 @@ class Speculator:
         self.acceptance.tick()
 
     def _calibrate(self, cache: PromptCache, y: int) -> None:
-        """Time a one-token and an eight-token forward on this machine (the fastest of two, after a warm-up), so
-        that the first steps already weigh drafting against what it costs here; the cache is left as it was."""
-        states, times = cache.states, {1: [], 8: []}
-        for n in (1, 8, 1, 8, 1, 8):
-            tic = time.perf_counter()
-            mx.eval(cache.forward([y] * n))
-            times[n].append(time.perf_counter() - tic)
-            cache.trim(n)
+        """Time forwards of 1, 2, 4 and 8 tokens on this machine (after a warm-up round: first-time shapes are
+        slow), so that the first steps already weigh drafting against what it costs here; the cache is left as
+        it was."""
+        states = cache.states
+        for round in range(3):
+            for n in (1, 2, 4, 8):
+                tic = time.perf_counter()
+                mx.eval(cache.forward([y] * n))
+                if round:
+                    self.costs.observe_verify(n, time.perf_counter() - tic)
+                cache.trim(n)
         cache.states = states
-        for n, ts in times.items():
-            self.costs.verify[n] = min(ts[1:])
 
     def _describe(self, tree: DraftTree) -> str:
         if len(tree) == 1:
