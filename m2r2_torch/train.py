@@ -480,11 +480,12 @@ def train(args) -> Path:
         print(agreement_table(metrics))
         log(f"{tokens} tokens in {seconds:.1f} s: {tokens / max(seconds, 1e-9):.0f} tokens/s")
         if args.upload_repo:
-            from m2r2_mlx.core.hub import upload_adapters  # needs mlx-lm: only where the MLX folder was written
-
             if not (out / CONFIG_FILE).is_file():
-                raise M2R2Error(f"--upload-repo uploads the MLX adapters folder, which was not written here; "
-                                f"convert {out / TORCH_DIR} and run m2r2-cache upload (or upload it) elsewhere")
+                raise M2R2Error(f"--upload-repo uploads the MLX adapters folder, which was not written here (no "
+                                f"mlx); convert {out / TORCH_DIR} with m2r2-convert where MLX runs, then upload that "
+                                f"folder with `huggingface-cli upload {args.upload_repo} DIR`")
+            from m2r2_mlx.core.hub import upload_adapters  # needs mlx-lm: present, since the MLX folder was written
+
             log(f"uploaded to {upload_adapters(out, args.upload_repo)}")
     barrier(world)
     return out
