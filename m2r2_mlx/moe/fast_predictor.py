@@ -42,10 +42,10 @@ class _ResidentOnlyGate(nn.Module):
         return mx.where(self.cache.resident_mask(self.layer), self.gate(x), -1e9)
 
 
-class _GateTap(nn.Module):
-    """Wraps a decoder layer: remembers its KV cache and, at an interval start, calls the predictor first."""
+class LayerTap(nn.Module):
+    """Wraps decoder layer ``index`` so that a predictor sees each call; subclasses say what it does there."""
 
-    def __init__(self, layer: nn.Module, index: int, predictor: "FastStreamPredictor"):
+    def __init__(self, layer: nn.Module, index: int, predictor):
         super().__init__()
         self.layer, self.index, self.predictor = layer, index, predictor
 
@@ -56,6 +56,10 @@ class _GateTap(nn.Module):
             if "layer" not in self:  # still being built
                 raise
             return getattr(self["layer"], key)
+
+
+class _GateTap(LayerTap):
+    """Remembers its layer's KV cache and, at an interval start, calls the predictor first."""
 
     def __call__(self, h, mask=None, cache=None):
         if self.predictor.running:  # the fast stream itself passing through: nothing to record

@@ -30,6 +30,7 @@ from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
 from .blocks import moe_blocks
 from .cache import ExpertCache
+from .fast_predictor import LayerTap
 
 
 def prediction_plan(intervals: list[tuple[int, int]], num_layers: int, moe_layers: list[int]) -> dict[int, list[int]]:
@@ -61,20 +62,8 @@ class _FusedRowsGate(nn.Module):
         return mx.concatenate([slow, mx.broadcast_to(slow[:1, -1:], (fast, *slow.shape[1:]))])
 
 
-class _FusedTap(nn.Module):
-    """Wraps decoder layer ``index``: at decode steps, runs it fused with the fast row where one is live."""
-
-    def __init__(self, layer: nn.Module, index: int, predictor: "FusedPredictor"):
-        super().__init__()
-        self.layer, self.index, self.predictor = layer, index, predictor
-
-    def __getattr__(self, key: str):  # the model reads its layers' attributes (llama: use_sliding)
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            if "layer" not in self:  # still being built
-                raise
-            return getattr(self["layer"], key)
+class _FusedTap(LayerTap):
+    """At decode steps, runs its layer fused with the fast row where one is live."""
 
     def __call__(self, h, mask=None, cache=None):
         p = self.predictor
