@@ -43,8 +43,9 @@ from .peers import mlx_lm_decoder
 SPECBENCH = Path(__file__).resolve().parent / "data" / "question.jsonl"  # Spec-Bench's 480 (data/README.md)
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
-METHODS = ("plain", "mlx-lm", "m2r2", "m2r2-fast", "layerskip", "lookup", "mlx-lm-spec")
-LABELS = {"plain": "plain (ours)", "mlx-lm": "mlx-lm stream_generate", "m2r2": "M2R2 speculative (hybrid, cost)",
+METHODS = ("plain", "plain-compiled", "mlx-lm", "m2r2", "m2r2-fast", "layerskip", "lookup", "mlx-lm-spec")
+LABELS = {"plain": "plain (ours)", "plain-compiled": "plain, --compile",
+          "mlx-lm": "mlx-lm stream_generate", "m2r2": "M2R2 speculative (hybrid, cost)",
           "m2r2-fast": "M2R2 fast stream alone", "layerskip": "naive layer-skip", "lookup": "prompt lookup",
           "mlx-lm-spec": "mlx-lm 2-model speculative"}
 
@@ -138,6 +139,8 @@ def make_methods(args, lm, names: list[str]) -> dict:
             methods[name] = mlx_lm_decoder(lm)
         elif name == "mlx-lm-spec":
             methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft or DEFAULT_DRAFT)
+        elif name == "plain-compiled":
+            methods[name] = make_decoder(lm, "plain", compile=True)
         elif name == "m2r2":  # what --mode speculative does by default: hybrid drafting under the cost model
             methods[name] = make_decoder(lm, "speculative", args.adapters, gate=args.gate, max_draft=args.draft,
                                          draft_vocab=args.draft_vocab)

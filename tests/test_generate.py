@@ -1,7 +1,10 @@
 """Plain decoding on the real default model."""
 
-from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.chat import ChatSession
+from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.generate import CompiledSteps, PromptCache, generate
 from m2r2_mlx.errors import M2R2Error
+from m2r2_mlx.models.registry import LoadedModel
 
 import pytest
 from mlx_lm import generate as mlx_lm_generate
@@ -63,3 +66,26 @@ def test_cache_holds_exactly_the_fed_tokens(lm, france_prompt):
 def test_prompt_longer_than_context(lm):
     with pytest.raises(M2R2Error, match="context holds 8192"):
         list(generate(lm.model, lm.tokenizer, [1] * 9000, context_length=lm.context_length))
+
+
+def test_compiled_steps_decode_as_the_eager_loop(lm):
+    """--compile: the same tokens as the eager loop over a chat of two turns (the second reuses the cache the first
+    left, handed back from the compiled arrays), after an answer cut short, and past a 256-position capacity."""
+    turns = ["Give me three tips for learning to cook.", "Now say them again, shorter."]
+    answers = {}
+    for compiled in (False, True):
+        chat = ChatSession(lm, decoder=make_decoder(lm, "plain", compile=compiled))
+        stream = chat.send("Name a colour.", max_tokens=20)
+        next(stream), next(stream)
+        stream.close()  # cut short: the cache must still hold exactly what was fed
+        answers[compiled] = [[e.token for e in chat.send(t, max_tokens=200)] for t in turns]
+        assert len(chat.cache) == len(chat.cache.tokens) == chat.cache.layers[0].offset
+        if compiled:  # the second turn needed a second capacity (a second trace)
+            assert chat.cache.layers[0].keys.shape[2] > CompiledSteps.CAPACITY_STEP
+    assert answers[True] == answers[False]
+
+
+def test_compile_refuses_an_moe(lm):
+    moe = LoadedModel("moe", lm.path, lm.model, lm.tokenizer, dict(lm.config, num_experts=8))
+    with pytest.raises(M2R2Error, match="dense models"):
+        make_decoder(moe, "plain", compile=True)

@@ -80,6 +80,9 @@ OPTIONS = (
            f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} where the "
            "adapters have draft_vocab.json; 0 = the full LM head)",
            ("draft_vocab",), lambda v: v >= 0, "must be 0 (the full head) or a positive count"),
+    Option("compile", ("--compile",), bool, False,
+           "plain mode: decode through mx.compile'd steps over a preallocated KV cache (1.14x on the CPU it was "
+           "measured on: docs/compile_step.md)", ("compile",)),
     Option("tau", ("--tau",), float, 0.9,
            "early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute they "
            "still save (default: 0.9)", ("tau",), lambda v: 0 <= v <= 1.5,

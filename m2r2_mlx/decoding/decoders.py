@@ -108,7 +108,7 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
                  gate: int | None = None, max_draft: int | None = None, threshold: float | None = None,
                  draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9,
                  scaled_tau: bool = True, drafter: str = "hybrid", policy: str | None = None,
-                 width: int | None = None) -> Decoder:
+                 width: int | None = None, compile: bool = False) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
     Speculative mode drafts with prompt lookup and the M2R2 fast stream (``drafter="hybrid"``) or the fast stream
@@ -119,10 +119,14 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
     draft when its probability falls below it (default 0.4 under "always", else 0); ``width``: candidates at the
     first draft position (default 3 under "cost", else 1); ``draft_vocab``: score drafts over the model's N most
     frequent tokens only (None: the default where available, 0: all); ``tau``: early exit's threshold at the
-    first gate, deeper gates asking more unless ``scaled_tau`` is False (early_exit.gate_thresholds).
+    first gate, deeper gates asking more unless ``scaled_tau`` is False (early_exit.gate_thresholds); ``compile``:
+    plain decoding through mx.compile'd steps (generate.CompiledSteps).
     """
     if mode == "plain":
-        return partial(generate, lm.model, lm.tokenizer)
+        if compile and any(k in lm.config for k in ("num_experts", "num_local_experts")):
+            raise M2R2Error("--compile serves dense models: an MoE's experts may be swapped under a memory budget "
+                            "while a compiled step would keep the ones it was traced with; drop --compile")
+        return partial(generate, lm.model, lm.tokenizer, compiled=compile)
     if mode not in MODES:
         raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mode == "early-exit":
