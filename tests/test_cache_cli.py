@@ -44,6 +44,7 @@ def test_remove_needs_yes_without_a_terminal(home):
     assert (home / "models" / "tiny-f32").is_dir()
 
 
+@pytest.mark.slow
 def test_remove_by_folder_name_with_yes(home):
     r = cache(home, "remove", "olmoe-abc123", "--yes")
     assert r.returncode == 0 and "removed experts/olmoe-abc123 (1.5 MB)" in r.stdout
@@ -51,6 +52,7 @@ def test_remove_by_folder_name_with_yes(home):
     assert "olmoe" not in cache(home, "list").stdout
 
 
+@pytest.mark.slow
 def test_remove_all(home):
     assert cache(home, "remove", "--all", "-y").returncode == 0
     assert "is empty" in cache(home, "list").stdout

@@ -383,6 +383,7 @@ def test_faulty_checkpoints_are_one_line_errors(base, tmp_path, case, fragments)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_existing_output_needs_force(base, tmp_path):
     folder = base[0]
     torch.save(random_adapters().state_dict(), tmp_path / "adapters.pt")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from experiments.exit_policies import TARGETS, frontier, patience_odds, replay, with_patience
 
@@ -42,6 +43,7 @@ def test_patience_exits_past_the_first_gate_only_where_the_previous_gate_agrees(
     assert patience_odds(labels, tokens) == [(0.5, 1.0)]
 
 
+@pytest.mark.slow
 def test_zero_questions_per_category_is_one_clear_line(tmp_path):
     questions = tmp_path / "question.jsonl"  # its own file: a fresh clone has no ../shared/specbench
     questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi."]}) + "\n")

@@ -68,6 +68,7 @@ def test_prompt_longer_than_context(lm):
         list(generate(lm.model, lm.tokenizer, [1] * 9000, context_length=lm.context_length))
 
 
+@pytest.mark.slow
 def test_compiled_steps_decode_as_the_eager_loop(lm):
     """--compile: the same tokens as the eager loop over a chat of two turns (the second reuses the cache the first
     left, handed back from the compiled arrays), after an answer cut short, and past a 256-position capacity."""

@@ -64,6 +64,7 @@ def _mlx_native_reference(lm):
     return ref
 
 
+@pytest.mark.slow
 def test_logits_match_independent_quantized_reference(lm, france_prompt):
     ids = mx.array(france_prompt)[None]
     ours = lm.model(ids)

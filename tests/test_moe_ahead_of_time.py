@@ -71,6 +71,7 @@ EXE = shutil.which("m2r2-bench")
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+@pytest.mark.slow
 def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
     out = tmp_path / "out"

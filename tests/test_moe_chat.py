@@ -54,6 +54,7 @@ def test_budgeted_chat_answers_exactly_as_all_resident(moe_folder, tmp_path):
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+@pytest.mark.slow
 def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
     r = subprocess.run([EXE, "--prompt", "Hi", "--memory-budget", "25%"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "mixture-of-experts" in r.stderr and "Traceback" not in r.stderr

@@ -107,6 +107,7 @@ def test_resume_continues_exactly(base, trained, tmp_path):
     assert all(torch.equal(resumed[k], weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one(base, trained, tmp_path):
     _, weights = trained
     r = cli(*args_for(base, tmp_path / "two", "--context-feature"), processes=2)
@@ -184,6 +185,7 @@ def test_the_pytorch_side_imports_without_mlx():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_without_mlx_the_checkpoint_converts_here(base, tmp_path):
     """Trained where mlx is missing, OUTPUT holds the PyTorch checkpoint and says how to convert it; m2r2-convert
     then gives an adapters folder that loads for the base."""

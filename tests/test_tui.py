@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 
+import pytest
 from textual.widgets import Markdown, Static
 
 from tui.app import ChatApp
@@ -103,6 +104,7 @@ def test_save_and_load_commands(lm, tmp_path):
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_modes_switch_live_and_keep_the_conversation(lm):
     async def run():
         app = ChatApp(_args("--max-tokens", "24"), lm=lm)
