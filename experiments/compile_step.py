@@ -4,7 +4,7 @@ Three greedy decoding loops on the embedded model, timed side by side over the s
 
 - ``eager``: the plain decoding loop (decoding/generate.py: mlx-lm's growing KV cache, the graph built anew each
   step while the previous step computes);
-- ``static``: the same loop over a preallocated cache written at an array offset (``StaticCache``), not compiled:
+- ``static``: the same loop over a preallocated cache written at an array offset (``generate.SlotKV``), not compiled:
   what the preallocation alone costs (attention over the whole capacity, masked);
 - ``compiled``: that step as one ``mx.compile``d function: one trace serves every position up to the capacity.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.generate import PromptCache
+from m2r2_mlx.decoding.generate import PromptCache, SlotKV
 from m2r2_mlx.models.base_model import BaseParts
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -36,25 +36,11 @@ PROMPTS = ["Give me three tips for learning to cook.", "Explain how a bicycle st
            "Write a short poem about the sea.", "What is the difference between a list and a tuple in Python?"]
 
 
-class StaticCache:
-    """One layer's keys and values in preallocated (B, heads, capacity, dim) arrays, written at ``offset`` (an
-    int32 array, so the step's graph does not depend on the position); positions past it are masked."""
-
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
-        self.keys, self.values, self.offset = keys, values, offset
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
-        return self.keys, self.values
-
-
 def static_step(parts: BaseParts, capacity: int, n: int):
     """step(tokens (n,), offset, keys, values) -> (logits (n, vocab), keys, values)."""
 
     def step(tokens, offset, keys, values):
-        caches = [StaticCache(k, v, offset) for k, v in zip(keys, values)]
+        caches = [SlotKV(k, v, offset) for k, v in zip(keys, values)]
         h = parts.embed(tokens[None])
         mask = mx.arange(capacity)[None, :] <= (offset + mx.arange(n))[:, None]
         h = parts.run_layers(h, 0, parts.num_layers, mask, caches)

@@ -238,7 +238,7 @@ class EventStream:
         return ev
 
 
-class _SlotKV:
+class SlotKV:
     """One layer's keys and values in preallocated (B, heads, capacity, dim) arrays, written at ``offset`` (an
     int32 array, so the step's graph does not depend on the position); positions past it are masked."""
 
@@ -280,7 +280,7 @@ class CompiledSteps:
             parts = self.parts
 
             def step(token, offset, keys, values):
-                caches = [_SlotKV(k, v, offset) for k, v in zip(keys, values)]
+                caches = [SlotKV(k, v, offset) for k, v in zip(keys, values)]
                 mask = mx.arange(capacity)[None, :] <= offset
                 h = parts.run_layers(parts.embed(token[None]), 0, parts.num_layers, mask, caches)
                 return parts.head(h)[0, -1], [c.keys for c in caches], [c.values for c in caches]
