@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.errors import M2R2Error
@@ -29,6 +30,7 @@ from mlx_lm import load as mlx_lm_load
 from bench.moe_bench import greedy
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
+DOCS = sorted(str(p) for p in (Path(__file__).parents[1] / "docs").glob("*.md"))
 
 
 def _moefy(*args, check=True):
@@ -42,8 +44,9 @@ def _moefy(*args, check=True):
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("moefy") / "smollm2-moe-slice"
+    # the project's own docs as the corpus: real English prose and code that a fresh clone always has
     _moefy("-o", str(out), "--layers", str(LAYERS), "--experts", str(EXPERTS), "--top-k", str(TOP_K),
-           "--tokens", "2048", "--heldout-tokens", "512", "--router-steps", "60")
+           "--tokens", "2048", "--heldout-tokens", "512", "--router-steps", "60", "--text", *DOCS)
     return out
 
 
@@ -159,7 +162,7 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
         ExpertStore.open(damaged)
 
     for args, says in [(["--experts", "7"], "does not divide"), (["--top-k", "17"], "--top-k between"),
-                       ([], "already exists")]:
+                       ([], "already exists"), (["--text", str(tmp_path / "nope.txt")], "not found; check --text")]:
         out = folder if not args else tmp_path / "never"
         r = _moefy("-o", str(out), "--layers", "1", *args, check=False)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]

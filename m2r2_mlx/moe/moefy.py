@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -44,6 +45,7 @@ from ..errors import M2R2Error, run_cli
 from ..models.identity import config_hash
 from ..models.moefied_llama import MODEL_TYPE
 from ..models.registry import load_model
+from ..training.data import read_text_files
 from .tiny_olmoe import corpus_documents
 
 PROG = "python -m m2r2_mlx.moe.moefy"
@@ -53,10 +55,17 @@ COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "spe
 
 
 # ---------------------------------------------------------------- data
-def corpus_ids(tokenizer, train_tokens: int, heldout_tokens: int, seq_len: int, seed: int = 0):
-    """(train, held-out) token ids, (n, seq_len) each, from whole documents in a seeded order;
-    held-out documents are never in the training set."""
-    docs = corpus_documents()
+def text_documents(paths: list[str]) -> list[str]:
+    """Documents from plain text files: each file's paragraphs (split at blank lines), so a held-out
+    set can be whole paragraphs even from a single file."""
+    return [d for text in read_text_files(paths) for d in re.split(r"\n\s*\n", text) if d.strip()]
+
+
+def corpus_ids(tokenizer, train_tokens: int, heldout_tokens: int, seq_len: int, seed: int = 0,
+               docs: list[str] | None = None):
+    """(train, held-out) token ids, (n, seq_len) each, from whole documents (default: the package
+    corpus) in a seeded order; held-out documents are never in the training set."""
+    docs = corpus_documents() if docs is None else docs
     order = np.random.default_rng(seed).permutation(len(docs))
     sets, want = [[], []], [train_tokens, heldout_tokens]
     which, have = 1, 0  # held-out first: its documents are then the same whatever --tokens is
@@ -69,7 +78,8 @@ def corpus_ids(tokenizer, train_tokens: int, heldout_tokens: int, seq_len: int, 
             which = 0
         have += 1
     if len(sets[0]) < train_tokens:
-        raise M2R2Error(f"the corpus holds fewer than {train_tokens + heldout_tokens} tokens; lower --tokens")
+        raise M2R2Error(f"the corpus holds fewer than {train_tokens + heldout_tokens} tokens; "
+                        "lower --tokens and --heldout-tokens, or give more --text")
     return tuple(np.array(s[: (w // seq_len) * seq_len], np.int32).reshape(-1, seq_len) for s, w in zip(sets, want))
 
 
@@ -238,7 +248,8 @@ def build(args) -> dict:
         raise M2R2Error(f"--experts {args.experts} does not divide the FFN width {hidden}; pick a divisor")
     layers = dense.model.model.layers
     n_layers = min(args.layers or len(layers), len(layers))
-    train, heldout = corpus_ids(dense.tokenizer, args.tokens, args.heldout_tokens, args.seq_len, args.seed)
+    docs = text_documents(args.text) if args.text else None
+    train, heldout = corpus_ids(dense.tokenizer, args.tokens, args.heldout_tokens, args.seq_len, args.seed, docs)
 
     weights = {k: v for k, v in tree_flatten(dense.model.parameters())
                if not (k.startswith("model.layers.") and (int(k.split(".")[2]) >= n_layers or ".mlp." in k))}
@@ -316,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=16, help="experts per layer (must divide the FFN width)")
     p.add_argument("--top-k", type=int, default=4, help="experts per token")
     p.add_argument("--layers", type=int, default=None, help="MoEfy only the first N layers (a slice, for tests)")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="plain text files to learn from (default: the package corpus, see docs/moe_bench.md)")
     p.add_argument("--tokens", type=int, default=16384, help="corpus tokens the grouping and routers learn from")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for the quality check")
     p.add_argument("--seq-len", type=int, default=256)
