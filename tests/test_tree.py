@@ -135,6 +135,22 @@ def test_step_costs_fit_a_line_through_what_they_measured():
     assert costs.draft_cost() == 0.02
 
 
+def test_step_costs_are_kept_per_context_length():
+    """A wide verification costs more, against a plain step, over a long context: each context-length bucket keeps
+    its own times, and one with too few borrows the nearest bucket's, scaled by their plain steps."""
+    costs = StepCosts(draft_fraction=0.2)
+    costs.context = 100
+    costs.observe_verify(1, 0.050)
+    costs.observe_verify(8, 0.085)
+    costs.context = 1500
+    costs.observe_verify(1, 0.060)
+    assert math.isclose(costs.verify_cost(8), 0.085 * 0.060 / 0.050)  # borrowed from below 512, scaled
+    costs.observe_verify(8, 0.130)
+    assert math.isclose(costs.verify_cost(8), 0.130) and math.isclose(costs.verify_cost(1), 0.060)
+    costs.context = 300
+    assert math.isclose(costs.verify_cost(8), 0.085)  # the short context's own times are untouched
+
+
 def planner(verify_1: float, verify_8: float, rate: float, draft: float = 0.01) -> Planner:
     costs = StepCosts(draft_fraction=0.2)
     costs.observe_verify(1, verify_1)
@@ -190,6 +206,25 @@ def test_greedy_exact_under_a_repetition_penalty(lm, tiny_m2r2):
         plain = [e.token for e in generate(model, lm.tokenizer, prompt, **options)]
         for name, engine in engines(tiny_m2r2, lm.tokenizer).items():
             assert [e.token for e in engine(prompt, **options)] == plain, name
+
+
+def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
+    """Where no draft pays the engine decodes plainly with each step queued before the last token is read, and
+    leaves such a stretch when a draft pays again: tokens (under a repetition penalty too) stay plain greedy's,
+    and each stretch step counts as one token per step."""
+    model = tiny_m2r2.base
+    both = lambda: [PromptLookupDrafter(), LayerDrafter(tiny_m2r2, 0)]  # noqa: E731
+    never = Speculator(model, lm.tokenizer, both(), policy="cost", priors={"lookup": 0.0, "fast": 0.0})
+    never.acceptance.strength = 1e6  # so sure that drafting never pays that it is never tried
+    for prompt in _prompts(3, seed=11):
+        prompt = prompt + prompt[:6]
+        for options in (dict(max_tokens=25), dict(max_tokens=25, repetition_penalty=1.3, repetition_context_size=8)):
+            plain = [e.token for e in generate(model, lm.tokenizer, prompt, **options)]
+            stats = {}
+            got = list(never(prompt, stats=stats, **options))
+            assert [e.token for e in got] == plain and not any(e.drafted for e in got)
+            assert stats["accepted"] == [1] * (len(got) - 1) and got[-1].finish_reason == "length"
+    assert set(never.costs.verify) == {1, 2, 4, 8}  # calibration, then plain steps only
 
 
 def test_events_name_their_drafter_and_the_plan(lm, tiny_m2r2):

@@ -27,20 +27,34 @@ CONFIDENCE_EDGES = (0.1, 0.2, 0.4, 0.6, 0.8)  # fast-stream draft probability bu
 
 
 class StepCosts:
-    """Seconds per verification forward (by positions verified) and per fast-stream draft step.
+    """Seconds per verification step (by positions verified) and per fast-stream draft step.
 
-    Each size's time is the median of its latest measurements (a forward that a busy machine or a first-time
-    shape slowed down does not move it). A size measured fewer than twice reads a line through the others,
-    weighted by how often each was measured."""
+    A step's time is its wall-clock time, everything a step does but the fast stream's drafting (priced apart);
+    a plain step's is the pipelined one, what plain decoding itself would take. Times are kept per context-length
+    bucket (below 512 positions, then each doubling): attention makes a wide verification dearer, against a
+    plain step, the longer the context. Each size's time is the median of its latest measurements (a forward
+    that a busy machine or a first-time shape slowed down does not move it). A size measured fewer than twice
+    reads a line through the others, weighted by how often each was measured; a bucket with fewer than two
+    sizes borrows the nearest bucket's, scaled by their plain steps."""
 
     def __init__(self, draft_fraction: float, smoothing: float = 0.2, window: int = 15, max_weight: int = 10):
-        self.times: dict[int, deque] = {}
+        self.tables: dict[int, dict[int, deque]] = {}  # context bucket -> positions verified -> seconds
+        self.context = 0  # positions in the cache now: which bucket verify_cost reads and observe_verify feeds
         self.draft: float | None = None
         self.draft_fraction = draft_fraction  # before any draft step is timed: that share of a one-token forward
         self.smoothing, self.window, self.max_weight = smoothing, window, max_weight
 
+    @staticmethod
+    def context_bucket(context: int) -> int:
+        return max(0, int(context).bit_length() - 9)  # 0: < 512 positions, 1: < 1024, 2: < 2048, ...
+
+    @property
+    def times(self) -> dict[int, deque]:
+        return self.tables.setdefault(self.context_bucket(self.context), {})
+
     @property
     def verify(self) -> dict[int, float]:
+        """The current bucket's median seconds per size."""
         return {n: statistics.median(ts) for n, ts in sorted(self.times.items())}
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -54,23 +68,45 @@ class StepCosts:
 
     @property
     def calibrated(self) -> bool:
-        return len(self.verify) >= 2
+        return any(len(t) >= 2 for t in self.tables.values())
 
-    def verify_cost(self, n: int) -> float:
-        if len(self.times.get(n, ())) >= 2:
-            return statistics.median(self.times[n])
-        verify = self.verify
-        xs, ys = list(verify), list(verify.values())
-        if len(xs) < 2:
-            base = ys[0] if ys else 1.0
-            return base * (1 + 0.05 * (n - (xs[0] if xs else 1)))  # until a second size is timed
-        ws = [min(len(self.times[x]), self.max_weight) for x in xs]
+    def _line(self, times: dict[int, deque], n: int) -> float | None:
+        """Seconds for ``n`` positions from one bucket's measurements; None below two sizes measured."""
+        if len(times.get(n, ())) >= 2:
+            return statistics.median(times[n])
+        if len(times) < 2:
+            return None
+        xs = sorted(times)
+        ys = [statistics.median(times[x]) for x in xs]
+        ws = [min(len(times[x]), self.max_weight) for x in xs]
         total = sum(ws)
         mx = sum(w * x for w, x in zip(ws, xs)) / total
         my = sum(w * y for w, y in zip(ws, ys)) / total
         slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / max(
             sum(w * (x - mx) ** 2 for w, x in zip(ws, xs)), 1e-12)
         return max(my + max(slope, 0.0) * (n - mx), 1e-6)
+
+    def verify_cost(self, n: int) -> float:
+        here = self.context_bucket(self.context)
+        cost = self._line(self.times, n)
+        if cost is not None:
+            return cost
+        others = sorted((b for b, t in self.tables.items() if b != here and len(t) >= 2), key=lambda b: abs(b - here))
+        if others:
+            near = self.tables[others[0]]
+            scale = 1.0
+            if len(self.times.get(1, ())) and len(near.get(1, ())):
+                scale = statistics.median(self.times[1]) / statistics.median(near[1])
+            return self._line(near, n) * scale
+        ys = [statistics.median(t) for t in self.times.values()]
+        base = ys[0] if ys else 1.0
+        first = min(self.times) if self.times else 1
+        return base * (1 + 0.05 * (n - first))  # until a second size is timed
+
+    def extra(self, n: int) -> float:
+        """Seconds that verifying one more position adds to an n-position step: never negative, though two
+        sizes' medians may be out of order on a noisy machine."""
+        return max(self.verify_cost(n + 1) - self.verify_cost(n), 0.0)
 
     def draft_cost(self) -> float:
         return self.draft if self.draft is not None else self.draft_fraction * self.verify_cost(1)
@@ -153,7 +189,7 @@ class Planner:
         for node in sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i])):
             if len(chosen) > self.max_nodes:
                 break
-            extra = self.costs.verify_cost(len(chosen) + 1) - self.costs.verify_cost(len(chosen))
+            extra = self.costs.extra(len(chosen))
             if tree.parents[node] in chosen and pi[node] * seconds > tokens * extra:
                 chosen.append(node)
                 tokens += pi[node]
@@ -171,7 +207,7 @@ class Planner:
         for depth in range(1, limit + 1):
             pi *= self.acceptance.optimistic(kind, tree.depths[anchor] + depth)
             gain_tokens += pi
-            gain_seconds += d + self.costs.verify_cost(n + 1) - self.costs.verify_cost(n)
+            gain_seconds += d + self.costs.extra(n)
             n += 1
             best_gain = max(best_gain, (tokens + gain_tokens) / (seconds + gain_seconds) - tokens / seconds)
         return best_gain > 0
@@ -182,7 +218,6 @@ class Planner:
         def decide(node: int, confidence: float) -> bool:
             chosen, tokens, seconds = self.select(tree)
             pi = self.reach(tree)[node] * self.acceptance.optimistic(kind, tree.depths[node] + 1)
-            extra = self.costs.draft_cost() + self.costs.verify_cost(len(chosen) + 1) - self.costs.verify_cost(
-                len(chosen))
+            extra = self.costs.draft_cost() + self.costs.extra(len(chosen))
             return pi * seconds > tokens * extra
         return decide

@@ -25,7 +25,7 @@ import mlx.core as mx
 from ..errors import M2R2Error
 from .generate import PromptCache, TokenEvent, start_decoding
 from .policy import Acceptance, Planner, StepCosts
-from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs, verify_tree
+from .sampling import Sampling, filtered_probs, processed_logprobs, sample_from, sampling_probs, verify_tree
 from .tree import DraftTree, supports_trees
 
 POLICIES = ("cost", "always")
@@ -60,6 +60,7 @@ class Speculator:
         self.acceptance = Acceptance(priors or {})
         self.planner = Planner(self.costs, self.acceptance, max_nodes=max_draft * width)
         self.status = "plain"  # the last step's plan, for the chat's side panel
+        self.draft_seconds = 0.0
 
     @property
     def name(self) -> str:
@@ -89,13 +90,21 @@ class Speculator:
         if self.policy == "cost" and not self.costs.calibrated and not ev.finish_reason:
             self._calibrate(cache, y)
         while not ev.finish_reason:
-            tree = self._draft(cache, y, events.max_tokens - events.n - 1, s, events.eos_ids)
-            history = cache.tokens if s.reads_history else ()
             tic = time.perf_counter()
+            self.costs.context = len(cache)
+            tree = self._draft(cache, y, events.max_tokens - events.n - 1, s, events.eos_ids)
+            if len(tree) == 1 and self.policy == "cost":  # nothing pays: decode plainly until a draft would
+                y = yield from self._plain_stretch(cache, y, events, s, accepted)
+                if y is None:
+                    return
+                ev = events.event(y, plan="plain")
+                yield ev
+                continue
+            history = cache.tokens if s.reads_history else ()
             path, y_next = verify_tree(cache.forward_tree(tree), tree, s, history)
-            self.costs.observe_verify(len(tree), time.perf_counter() - tic)
             cache.commit(path, len(tree))
             self._learn(tree, path)
+            self.costs.observe_verify(len(tree), time.perf_counter() - tic - self.draft_seconds)
             accepted.append(len(path))
             plan = self.status
             for node in path[1:]:
@@ -114,6 +123,7 @@ class Speculator:
     def _draft(self, cache: PromptCache, y: int, limit: int, s: Sampling, eos_ids) -> DraftTree:
         """The tree to verify after ``y``; ``limit``: the most tokens a path may draft (the answer's budget)."""
         tree = DraftTree.root(y)
+        self.draft_seconds = 0.0  # the fast stream's, priced apart from the step
         limit = min(limit, self.max_draft)
         if limit <= 0:
             self.status = "plain"
@@ -137,6 +147,57 @@ class Speculator:
         self.status = self._describe(tree)
         return tree
 
+    def _plain_stretch(self, cache: PromptCache, y: int, events, s: Sampling, accepted: list) -> Iterator[TokenEvent]:
+        """Plain decoding after ``y``, each step built and queued before the previous token is read (as generate
+        does, which a draft-and-verify step cannot), while drafting is not expected to pay. After each token the
+        planner is asked whether drafting after it would; then the stretch ends with one step in flight and
+        returns that step's token (not yet emitted nor in the cache), or None when the answer has ended.
+
+        Leaving depends only on tokens already emitted, never on the one in flight, so sampled tokens keep their
+        distribution. A plain step's time, measured here, is the pipelined one drafting has to beat."""
+        hist = mx.array(cache.tokens[-s.repetition_context_size:], mx.int32) if s.reads_history else None
+
+        def step(token: mx.array) -> mx.array:  # feed token (shape (1,)); the next one, queued, not read
+            nonlocal hist
+            logits = cache.forward(token)[-1]
+            if s.reads_history:
+                hist = mx.concatenate([hist, token.astype(mx.int32)])[-s.repetition_context_size:]
+            logprobs = processed_logprobs(logits, s, hist if s.reads_history else ())
+            token = mx.argmax(logprobs) if s.greedy else mx.random.categorical(mx.log(filtered_probs(logprobs, s)))
+            mx.async_eval(token)
+            return token
+
+        pending, last, tic = step(mx.array([y])), y, None
+        while True:
+            limit = min(events.max_tokens - events.n - 1, self.max_draft)
+            self.costs.context = len(cache)
+            if limit > 0 and self._would_draft(cache.tokens, limit, events.eos_ids):
+                accepted.append(1)  # the step in flight gives one token
+                return int(pending.item())
+            after = step(pending[None]) if events.n + 1 < events.max_tokens else None
+            last = int(pending.item())
+            toc = time.perf_counter()
+            if tic is not None:
+                self.costs.observe_verify(1, toc - tic)
+            tic = toc
+            accepted.append(1)
+            self.acceptance.tick()
+            ev = events.event(last, plan="plain")
+            yield ev
+            if ev.finish_reason:
+                return None
+            pending = after
+
+    def _would_draft(self, context: list[int], limit: int, eos_ids) -> bool:
+        """Whether a step after ``context[-1]`` would draft: lookup's proposals worth verifying, or the fast stream
+        expected to pay (the planner's decisions in _draft, without running the fast stream)."""
+        tree = DraftTree.root(context[-1])
+        if self.lookup is not None:
+            self.lookup.propose(tree, context, limit, eos_ids, self.width)
+            if len(self.planner.select(tree)[0]) > 1:
+                return True
+        return self.layer is not None and self.planner.fast_pays(tree, 0, self.layer.kind, limit)
+
     def _draft_fast(self, tree: DraftTree, cache: PromptCache, limit: int, s: Sampling, eos_ids) -> None:
         """The fast stream continues after the deepest proposal worth verifying, or drafts from the root where
         none is; only when the planner expects it to pay."""
@@ -152,7 +213,8 @@ class Speculator:
         tic = time.perf_counter()
         steps = self.layer.propose(tree, cache, room, s, eos_ids, self.width if anchor == 0 else 1,
                                    go_on=self.planner.go_on(tree, self.layer.kind), after=anchor)
-        self.costs.observe_draft((time.perf_counter() - tic) / max(steps, 1))
+        self.draft_seconds = time.perf_counter() - tic
+        self.costs.observe_draft(self.draft_seconds / max(steps, 1))
 
     def _learn(self, tree: DraftTree, path: list[int]) -> None:
         """Each proposal whose parent was accepted was put to the test: count it for each drafter that made it."""
@@ -168,6 +230,7 @@ class Speculator:
         slow), so that the first steps already weigh drafting against what it costs here; the cache is left as
         it was."""
         states = cache.states
+        self.costs.context = len(cache)
         for round in range(3):
             for n in (1, 2, 4, 8):
                 tic = time.perf_counter()
