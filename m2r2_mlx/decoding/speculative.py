@@ -37,7 +37,7 @@ class Speculator:
     One instance serves a whole conversation: the costs and acceptance rates it has learnt carry over."""
 
     def __init__(self, model, tokenizer, drafters: Sequence, *, max_draft: int = 8, width: int = 1,
-                 policy: str = "cost", priors: dict[str, float] | None = None):
+                 policy: str = "cost", priors: dict[str, float] | None = None, plain_stretches: bool = True):
         if policy not in POLICIES:
             raise M2R2Error(f"unknown drafting policy {policy!r}; choose one of: {', '.join(POLICIES)}")
         if max_draft < 1:
@@ -52,6 +52,7 @@ class Speculator:
             raise M2R2Error(f"{type(model).__module__} cannot verify draft trees (no rope on its attention); "
                             "use tree width 1")
         self.max_draft, self.width, self.policy = max_draft, width, policy
+        self.plain_stretches = plain_stretches  # False: one plain step at a time (the ablation of the stretches)
         self.keeps_states = bool(self.layer and self.layer.keeps_states)
         num_layers = len(layers)
         self.exit_layers = sorted({d.exit_layer for d in drafters} | {num_layers})  # for legends
@@ -167,22 +168,24 @@ class Speculator:
             mx.async_eval(token)
             return token
 
-        pending, last, tic = step(mx.array([y])), y, None
+        # the tokens so far as ints: reading the cache's would wait for the step in flight (its last entry is lazy)
+        context = cache.tokens + [y]
+        pending, tic = step(mx.array([y])), None
         while True:
             limit = min(events.max_tokens - events.n - 1, self.max_draft)
-            self.costs.context = len(cache)
-            if limit > 0 and self._would_draft(cache.tokens, limit, events.eos_ids):
+            self.costs.context = len(context)
+            if limit > 0 and (not self.plain_stretches or self._would_draft(context, limit, events.eos_ids)):
                 accepted.append(1)  # the step in flight gives one token
                 return int(pending.item())
             after = step(pending[None]) if events.n + 1 < events.max_tokens else None
-            last = int(pending.item())
+            context.append(int(pending.item()))
             toc = time.perf_counter()
             if tic is not None:
                 self.costs.observe_verify(1, toc - tic)
             tic = toc
             accepted.append(1)
             self.acceptance.tick()
-            ev = events.event(last, plan="plain")
+            ev = events.event(context[-1], plan="plain")
             yield ev
             if ev.finish_reason:
                 return None
