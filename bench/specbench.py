@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
     p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="sample at this temperature (default 0: greedy, every answer compared with plain's)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every method's answer to a "
+                                                         "question")
     p.add_argument("--gate", type=int, default=None, help="draft exit layer for m2r2/layerskip (default: first gate)")
     p.add_argument(
         "--draft", "--num-draft-tokens", type=int, default=None,
@@ -155,15 +161,16 @@ def make_methods(args, lm, names: list[str]) -> dict:
     return methods
 
 
-def run_turns(lm, decode, turns: list[str], max_tokens: int) -> list[dict]:
-    """One question as a chat; per turn: tokens, text, decode rate, acceptance lengths, peak memory."""
+def run_turns(lm, decode, turns: list[str], max_tokens: int, **sampling) -> list[dict]:
+    """One question as a chat; per turn: tokens, text, decode rate, acceptance lengths, peak memory.
+    ``sampling``: temperature, top_p, seed (default greedy)."""
     session = ChatSession(lm, decoder=decode)
     out = []
     for text in turns:
         mx.reset_peak_memory()
         stats, times, tokens = AnswerStats(), [], []
         t0 = time.perf_counter()
-        for ev in session.send(text, max_tokens=max_tokens):
+        for ev in session.send(text, max_tokens=max_tokens, **sampling):
             times.append(time.perf_counter())
             tokens.append(ev.token)
             stats.add(ev)
@@ -207,14 +214,14 @@ def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
             toks = sum(max(t["new_tokens"] - 1, 0) for t in turns)
             secs = sum(t["decode_time"] for t in turns)
             acc = [a for t in turns for a in t["accept_lengths"]]
-            same = sum(r["same_as_plain"] for r in answers)
+            compared = [r["same_as_plain"] for r in answers if r["same_as_plain"] is not None]
             n = len(answers)
             summary[cat, m] = {
                 "tok_s": toks / secs if secs else 0.0,
                 "accepted": statistics.mean(acc) if acc else 1.0,
                 "hist": Counter(acc),
                 "peak_gb": max(t["peak_memory_gb"] for t in turns),
-                "same": f"{same}/{n}",
+                "same": f"{sum(compared)}/{n}" if compared else "- (sampled)",
                 "tokens": toks,
                 "drafted_by": sum((Counter(t.get("drafted_by", {})) for t in turns), Counter()),
             }
@@ -295,6 +302,11 @@ def _main() -> int:
     args = build_parser().parse_args()
     if args.max_tokens < 2 or args.turns < 1 or (args.draft is not None and args.draft < 1):
         raise M2R2Error("--max-tokens must be at least 2, --turns and --draft at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0) or not 0 < args.top_p <= 1:
+        raise M2R2Error(f"--temperature must be 0 (greedy) or positive and --top-p in (0, 1] (got {args.temperature}"
+                        f", {args.top_p})")
+    greedy = args.temperature == 0
+    sampling = {} if greedy else {"temperature": args.temperature, "top_p": args.top_p}
     questions = select_questions(args.questions, args.categories, args.limit)
     if not questions:
         raise M2R2Error("no questions selected; check --categories and --limit")
@@ -314,7 +326,9 @@ def _main() -> int:
         ref = None
         for name, decode in methods.items():
             bar.set_postfix_str(f"q{q['question_id']} {name}")
-            turns = run_turns(lm, decode, q["turns"][: args.turns], args.max_tokens)
+            # sampled: each method draws its own tokens (losslessness is tested in tests/, not comparable here)
+            seed = {} if greedy else {"seed": args.seed + q["question_id"]}
+            turns = run_turns(lm, decode, q["turns"][: args.turns], args.max_tokens, **sampling, **seed)
             tokens = [t["tokens"] for t in turns]
             ref = tokens if name == "plain" else ref
             records[name].append(
@@ -322,7 +336,7 @@ def _main() -> int:
                     "question_id": q["question_id"],
                     "category": q["category"],
                     "turns": turns,
-                    "same_as_plain": tokens == ref,
+                    "same_as_plain": tokens == ref if greedy else None,
                 }
             )
             bar.update()
@@ -360,7 +374,8 @@ def _main() -> int:
     atomic_write_text(
         args.out / "results.md",
         f"# Spec-Bench on {lm.name}\n\n`{cmd}`; {len(questions)} questions, "
-        f"greedy, batch 1, float32, {blas_info().name} BLAS; decode tokens/s (prefill excluded), "
+        f"{'greedy' if greedy else f'sampled (temperature {args.temperature}, top-p {args.top_p})'}, batch 1, "
+        f"float32, {blas_info().name} BLAS; decode tokens/s (prefill excluded), "
         f"speedup over plain decoding in the same run.\n\n{md}\n\n![speedup per category](results.png)\n",
     )
     plot(summary, names, categories, args.out / "results.png")

@@ -3,6 +3,8 @@ from m2r2_mlx.models.registry import load_model
 
 import pytest
 
+from .fake_hub import fake_hub
+
 FRANCE = "What is the capital of France?"
 
 
@@ -15,3 +17,9 @@ def lm():
 @pytest.fixture(scope="session")
 def france_prompt(lm):
     return lm.tokenizer.apply_chat_template([{"role": "user", "content": FRANCE}], add_generation_prompt=True)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """An offline fake Hugging Face Hub (tests/fake_hub.py): uploads land where downloads are read from."""
+    return fake_hub(tmp_path, monkeypatch)

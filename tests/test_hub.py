@@ -11,8 +11,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict
-from pathlib import Path
-from types import SimpleNamespace
 
 from m2r2_mlx.core.config import CONFIG_FILE, M2R2Config
 from m2r2_mlx.core.hub import (
@@ -25,46 +23,9 @@ from m2r2_mlx.core.hub import (
 from m2r2_mlx.errors import M2R2Error
 
 import pytest
-from huggingface_hub import HfApi, constants
+from huggingface_hub import HfApi
 
-COMMIT = "0" * 40
-
-
-def publish(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
-    """A repo's files as a download leaves them in the Hugging Face cache: the snapshot and refs/main."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (snapshot / name).write_bytes(data)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    return snapshot
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """An offline Hugging Face cache in tmp_path; its uploads (HfApi) land in it as a download would."""
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    uploads = []
-
-    def create_repo(self, repo_id, **kw):
-        return f"{self.endpoint}/{repo_id}"
-
-    def create_commit(self, repo_id, operations, **kw):
-        files = {}
-        for op in operations:
-            with op.as_file() as f:
-                files[op.path_in_repo] = f.read()
-        uploads.append((repo_id, kw.get("commit_message")))
-        publish(cache, repo_id, files)
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "create_commit", create_commit)
-    return SimpleNamespace(cache=cache, uploads=uploads)
+from .fake_hub import publish
 
 
 def packaged_files() -> dict[str, bytes]:

@@ -164,6 +164,20 @@ def test_bad_input_is_one_error_and_writes_nothing(base, trained, tmp_path, chan
     assert not (tmp_path / "out" / "m2r2_config.json").exists() and not (tmp_path / "out" / "torch").exists()
 
 
+def test_upload_repo_publishes_what_adapters_repo_reads_back(base, hub, tmp_path):
+    """--upload-repo: the MLX adapters folder the run wrote goes to the Hub (an offline fake one), and a later
+    --adapters REPO resolves to the same files."""
+    from m2r2_mlx.core.hub import resolve_adapters
+
+    out = tmp_path / "up"
+    run(args_for(base, out, "--upload-repo", "me/tiny-m2r2", steps=2))
+    assert [repo for repo, _ in hub.uploads] == ["me/tiny-m2r2"]
+    folder = resolve_adapters("me/tiny-m2r2")
+    for name in ("m2r2_config.json", "adapters.safetensors"):
+        assert (folder / name).read_bytes() == (out / name).read_bytes()
+    assert not (folder / "torch").exists()  # the PyTorch checkpoint stays home
+
+
 def test_existing_output_needs_force_one_line(base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
