@@ -149,6 +149,10 @@ def test_step_costs_are_kept_per_context_length():
     assert math.isclose(costs.verify_cost(8), 0.130) and math.isclose(costs.verify_cost(1), 0.060)
     costs.context = 300
     assert math.isclose(costs.verify_cost(8), 0.085)  # the short context's own times are untouched
+    costs.observe_verify(4, 0.060, provisional=True)  # calibration: a bare forward
+    costs.observe_verify(4, 0.061, provisional=True)
+    costs.observe_verify(4, 0.075)  # the first whole step of that size replaces calibration's times
+    assert costs.verify[4] == 0.075 and costs.verify[1] == 0.050
 
 
 def planner(verify_1: float, verify_8: float, rate: float, draft: float = 0.01) -> Planner:

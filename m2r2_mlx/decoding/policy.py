@@ -40,6 +40,7 @@ class StepCosts:
     def __init__(self, draft_fraction: float, smoothing: float = 0.2, window: int = 15, max_weight: int = 10):
         self.tables: dict[int, dict[int, deque]] = {}  # context bucket -> positions verified -> seconds
         self.context = 0  # positions in the cache now: which bucket verify_cost reads and observe_verify feeds
+        self.provisional: set[tuple[int, int]] = set()  # (bucket, size) whose times are calibration's so far
         self.draft: float | None = None
         self.draft_fraction = draft_fraction  # before any draft step is timed: that share of a one-token forward
         self.smoothing, self.window, self.max_weight = smoothing, window, max_weight
@@ -60,8 +61,17 @@ class StepCosts:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
-    def observe_verify(self, n: int, seconds: float) -> None:
-        self.times.setdefault(n, deque(maxlen=self.window)).append(seconds)
+    def observe_verify(self, n: int, seconds: float, provisional: bool = False) -> None:
+        """``provisional``: a bare forward timed before decoding (calibration), replaced by the size's first
+        whole-step measurement in this bucket, since a whole step also pays for what surrounds the forward."""
+        key = (self.context_bucket(self.context), n)
+        times = self.times.setdefault(n, deque(maxlen=self.window))
+        if provisional:
+            self.provisional.add(key)
+        elif key in self.provisional:
+            self.provisional.discard(key)
+            times.clear()
+        times.append(seconds)
 
     def observe_draft(self, seconds_per_step: float) -> None:
         self.draft = self._ema(self.draft, seconds_per_step)

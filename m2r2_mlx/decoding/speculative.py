@@ -170,13 +170,21 @@ class Speculator:
 
         # the tokens so far as ints: reading the cache's would wait for the step in flight (its last entry is lazy)
         context = cache.tokens + [y]
-        pending, tic = step(mx.array([y])), None
+        start = time.perf_counter()
+        pending, tic, first = step(mx.array([y])), None, True
         while True:
             limit = min(events.max_tokens - events.n - 1, self.max_draft)
             self.costs.context = len(context)
-            if limit > 0 and (not self.plain_stretches or self._would_draft(context, limit, events.eos_ids)):
+            # the first question was just answered by _draft for this root (its fast-stream drafts priced out)
+            if limit > 0 and (not self.plain_stretches or (not first and self._would_draft(context, limit,
+                                                                                          events.eos_ids))):
+                token = int(pending.item())
+                if not self.plain_stretches:  # the ablation: one plain step, timed as a whole
+                    self.costs.observe_verify(1, time.perf_counter() - start)
                 accepted.append(1)  # the step in flight gives one token
-                return int(pending.item())
+                self.acceptance.tick()
+                return token
+            first = False
             after = step(pending[None]) if events.n + 1 < events.max_tokens else None
             context.append(int(pending.item()))
             toc = time.perf_counter()
@@ -187,8 +195,11 @@ class Speculator:
             self.acceptance.tick()
             ev = events.event(context[-1], plan="plain")
             yield ev
+            tic += time.perf_counter() - toc  # the caller's time with the token is not the step's
             if ev.finish_reason:
                 return None
+            if events.n % 256 == 0:
+                mx.clear_cache()
             pending = after
 
     def _would_draft(self, context: list[int], limit: int, eos_ids) -> bool:
@@ -239,7 +250,7 @@ class Speculator:
                 tic = time.perf_counter()
                 mx.eval(cache.forward([y] * n))
                 if round:
-                    self.costs.observe_verify(n, time.perf_counter() - tic)
+                    self.costs.observe_verify(n, time.perf_counter() - tic, provisional=True)
                 cache.trim(n)
         cache.states = states
 
