@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts
-from .sampling import Sampling
+from .sampling import NextToken, Sampling
 from .tree import DraftTree, keep_positions, tree_positions
 
 PREFILL_CHUNK = 512
@@ -355,15 +355,8 @@ def generate(
     s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
     if seed is not None:
         mx.random.seed(seed)
-    sampler, processors = s.sampler(), s.processors()
     cache, logits, events = start_decoding(model, tokenizer, prompt, cache, max_tokens, context_length)
-    history = mx.array(cache.tokens) if processors else None  # what the processors read: the whole sequence
-
-    def sample(logits: mx.array) -> mx.array:
-        logits = logits[None]
-        for process in processors:
-            logits = process(history, logits)
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+    sample = NextToken(s, cache.tokens)
 
     y = sample(logits)
     mx.async_eval(y)
@@ -375,8 +368,7 @@ def generate(
         while True:
             next_y = None
             if events.n + 1 < events.max_tokens:
-                if processors:
-                    history = mx.concatenate([history, y[None]])
+                sample.feed(y[None])
                 if steps is None:
                     logits = cache.forward(y[None])[-1]  # builds the next step before reading y
                 else:

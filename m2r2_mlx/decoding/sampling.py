@@ -65,6 +65,27 @@ class Sampling:
                             top_k=self.top_k)
 
 
+class NextToken:
+    """Plain decoding's next token, lazily (nothing is evaluated): mlx-lm's logits processors over the sequence so far
+    (only its last ``repetition_context_size`` tokens, all they read), then mlx-lm's sampler."""
+
+    def __init__(self, s: Sampling, history: Sequence[int]):
+        self.sampler, self.processors, self.size = s.sampler(), s.processors(), s.repetition_context_size
+        self.history = mx.array(list(history)[-self.size:], mx.int32) if self.processors else None
+
+    def feed(self, token: mx.array) -> None:
+        """``token`` (shape (1,), possibly not yet evaluated) joins the sequence."""
+        if self.processors:
+            self.history = mx.concatenate([self.history, token.astype(mx.int32)])[-self.size:]
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """The token after the sequence, from its logits (V,)."""
+        logits = logits[None]
+        for process in self.processors:
+            logits = process(self.history, logits)
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+
+
 def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:
     """Log-probabilities (float32, last axis) after the logits processors, for one position whose sequence so far
     is ``history`` (only read with a repetition penalty); ``logits`` (V,) or (1, V)."""

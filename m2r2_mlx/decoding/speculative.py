@@ -25,7 +25,7 @@ import mlx.core as mx
 from ..errors import M2R2Error
 from .generate import PromptCache, TokenEvent, start_decoding
 from .policy import Acceptance, Planner, StepCosts
-from .sampling import Sampling, filtered_probs, processed_logprobs, sample_from, sampling_probs, verify_tree
+from .sampling import NextToken, Sampling, processed_logprobs, sample_from, sampling_probs, verify_tree
 from .tree import DraftTree, supports_trees
 
 POLICIES = ("cost", "always")
@@ -94,28 +94,26 @@ class Speculator:
             tic = time.perf_counter()
             self.costs.context = len(cache)
             tree = self._draft(cache, y, events.max_tokens - events.n - 1, s, events.eos_ids)
-            if len(tree) == 1 and self.policy == "cost":  # nothing pays: decode plainly until a draft would
-                y = yield from self._plain_stretch(cache, y, events, s, accepted)
-                if y is None:
-                    return
-                ev = events.event(y, plan="plain")
-                yield ev
-                continue
-            history = cache.tokens if s.reads_history else ()
-            path, y_next = verify_tree(cache.forward_tree(tree), tree, s, history)
-            cache.commit(path, len(tree))
-            self._learn(tree, path)
-            self.costs.observe_verify(len(tree), time.perf_counter() - tic - self.draft_seconds)
-            accepted.append(len(path))
             plan = self.status
-            for node in path[1:]:
-                source = "lookup" if "lookup" in tree.sources[node] else self.layer.kind
-                by_drafter[source] += 1
-                layer = 0 if source == "lookup" else self.layer.exit_layer
-                ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=plan)
-                yield ev
-                if ev.finish_reason:
+            if len(tree) == 1 and self.policy == "cost":  # nothing pays: decode plainly until a draft would
+                y_next = yield from self._plain_stretch(cache, y, events, s, accepted)
+                if y_next is None:
                     return
+            else:
+                history = cache.tokens if s.reads_history else ()
+                path, y_next = verify_tree(cache.forward_tree(tree), tree, s, history)
+                cache.commit(path, len(tree))
+                self._learn(tree, path)
+                self.costs.observe_verify(len(tree), time.perf_counter() - tic - self.draft_seconds)
+                accepted.append(len(path))
+                for node in path[1:]:
+                    source = "lookup" if "lookup" in tree.sources[node] else self.layer.kind
+                    by_drafter[source] += 1
+                    layer = 0 if source == "lookup" else self.layer.exit_layer
+                    ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=plan)
+                    yield ev
+                    if ev.finish_reason:
+                        return
             y = y_next
             ev = events.event(y, plan=plan)
             yield ev
@@ -156,20 +154,16 @@ class Speculator:
 
         Leaving depends only on tokens already emitted, never on the one in flight, so sampled tokens keep their
         distribution. A plain step's time, measured here, is the pipelined one drafting has to beat."""
-        hist = mx.array(cache.tokens[-s.repetition_context_size:], mx.int32) if s.reads_history else None
+        # the tokens so far as ints: reading the cache's would wait for the step in flight (its last entry is lazy)
+        context = cache.tokens + [y]
+        sample = NextToken(s, context[:-1])  # as generate draws it
 
         def step(token: mx.array) -> mx.array:  # feed token (shape (1,)); the next one, queued, not read
-            nonlocal hist
-            logits = cache.forward(token)[-1]
-            if s.reads_history:
-                hist = mx.concatenate([hist, token.astype(mx.int32)])[-s.repetition_context_size:]
-            logprobs = processed_logprobs(logits, s, hist if s.reads_history else ())
-            token = mx.argmax(logprobs) if s.greedy else mx.random.categorical(mx.log(filtered_probs(logprobs, s)))
+            sample.feed(token)
+            token = sample(cache.forward(token)[-1])
             mx.async_eval(token)
             return token
 
-        # the tokens so far as ints: reading the cache's would wait for the step in flight (its last entry is lazy)
-        context = cache.tokens + [y]
         start = time.perf_counter()
         pending, tic, first = step(mx.array([y])), None, True
         while True:
