@@ -41,9 +41,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm.auto import tqdm
 
 METHODS = ("resident", "lru", "pregating", "m2r2", "m2r2-fused", "shuffled")
-LABELS = {"resident": "all resident", "lru": "on-demand LRU", "pregating": "pre-gating (next layer)",
-          "m2r2": "M2R2 ahead-of-time", "m2r2-fused": "M2R2 ahead-of-time, fused rows",
-          "shuffled": "shuffled control"}
+LABELS = {
+    "resident": "all resident",
+    "lru": "on-demand LRU",
+    "pregating": "pre-gating (next layer)",
+    "m2r2": "M2R2 ahead-of-time",
+    "m2r2-fused": "M2R2 ahead-of-time, fused rows",
+    "shuffled": "shuffled control",
+}
 DEFAULT_MODEL = Path("build/smollm2-moe")  # python -m m2r2_mlx.moe.moefy -o build/smollm2-moe --adapters
 
 
@@ -74,12 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt")
     p.add_argument("--link-gbps", type=float, default=0.5, help="throttled link bandwidth, GB/s (0: unthrottled)")
     p.add_argument("--latency-ms", type=float, default=0.05, help="throttled link latency per transfer")
-    p.add_argument("--profile", default=None, help=f"device profile, one of {', '.join(PROFILES)}: the link is set "
-                   "so that one expert's transfer / one layer's compute (measured here) is the device's")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help=f"device profile, one of {', '.join(PROFILES)}: the link is set "
+        "so that one expert's transfer / one layer's compute (measured here) is the device's",
+    )
     p.add_argument("--ratio", type=float, default=None, help="as --profile, with this transfer/compute ratio")
-    p.add_argument("--regime-map", default=None, metavar="RATIOS",
-                   help="also run every method at these transfer/compute ratios (comma-separated) at "
-                   "--regime-budget: moe_regime.md/.png")
+    p.add_argument(
+        "--regime-map",
+        default=None,
+        metavar="RATIOS",
+        help="also run every method at these transfer/compute ratios (comma-separated) at "
+        "--regime-budget: moe_regime.md/.png",
+    )
     p.add_argument("--regime-budget", type=float, default=25.0)
     p.add_argument("--regime-prompts", type=int, default=3, help="prompts per regime-map point")
     p.add_argument("--policy", default="lru", choices=["lru", "lfu"])
@@ -129,24 +142,28 @@ def check_args(args) -> tuple[list[str], list[float]]:
         budgets = [float(b) for b in args.budgets.split(",")]
         args.ratios = [float(r) for r in args.regime_map.split(",")] if args.regime_map else []
     except ValueError:
-        raise M2R2Error(f"--budgets and --regime-map take comma-separated numbers, got {args.budgets!r} "
-                        f"and {args.regime_map!r}") from None
+        raise M2R2Error(
+            f"--budgets and --regime-map take comma-separated numbers, got {args.budgets!r} and {args.regime_map!r}"
+        ) from None
     if args.profile is not None and args.ratio is not None:
         raise M2R2Error("--profile and --ratio both set the link; pass one")
     args.device = get_profile(args.profile) if args.profile is not None else None
     if args.ratio is not None and not args.ratio > 0 or any(not r > 0 for r in args.ratios):
         raise M2R2Error("transfer/compute ratios (--ratio, --regime-map) must be positive")
     if args.num_prompts < 1 or args.max_tokens < 2 or args.prompt_tokens < 1 or args.regime_prompts < 1:
-        raise M2R2Error("--num-prompts, --regime-prompts and --prompt-tokens must be at least 1, "
-                        "--max-tokens at least 2")
+        raise M2R2Error(
+            "--num-prompts, --regime-prompts and --prompt-tokens must be at least 1, --max-tokens at least 2"
+        )
     folder = Path(args.model)
     args.adapters = args.adapters or f"{str(args.model).rstrip('/')}-m2r2"
     if args.prompts is None:
         own = folder / "heldout.npy"
         args.prompts = own if own.is_file() else Path("build/olmoe-data/eval.npy")
     if not args.prompts.is_file():
-        raise M2R2Error(f"{args.prompts} not found; build the model with python -m m2r2_mlx.moe.moefy -o {folder} "
-                        "--adapters (it writes heldout.npy), or pass --prompts")
+        raise M2R2Error(
+            f"{args.prompts} not found; build the model with python -m m2r2_mlx.moe.moefy -o {folder} "
+            "--adapters (it writes heldout.npy), or pass --prompts"
+        )
     return methods, budgets
 
 
@@ -173,8 +190,14 @@ def measure(args, method, budget, store, link, prompts, reference) -> dict:
             stats.append(cache.stats.summary())
         if hasattr(predictor, "fast_layer_passes"):
             passes.append(predictor.fast_layer_passes)
-    row = {"method": method, "budget": budget, "tokens": tokens, "decode_s": sum(seconds),
-           "tokens_per_s": tokens / sum(seconds), "same_as_resident": same}
+    row = {
+        "method": method,
+        "budget": budget,
+        "tokens": tokens,
+        "decode_s": sum(seconds),
+        "tokens_per_s": tokens / sum(seconds),
+        "same_as_resident": same,
+    }
     if cache:
         agg = lambda k, stats=stats: sum(s[k] for s in stats)  # noqa: E731
         steps = agg("tokens")
@@ -193,8 +216,9 @@ def measure(args, method, budget, store, link, prompts, reference) -> dict:
     return row
 
 
-def with_vs_lru(rows: list[dict], key: str = "budget", compute_ms: float | None = None,
-                expert_ms: dict | None = None) -> list[dict]:
+def with_vs_lru(
+    rows: list[dict], key: str = "budget", compute_ms: float | None = None, expert_ms: dict | None = None
+) -> list[dict]:
     """Speedup over LRU at the same budget (or ratio); on LRU rows, the overlap ceiling: LRU's loads hidden
     behind compute in full, ``T_lru / max(compute, loads x one expert's transfer)``. With as many slots as
     experts per token every policy makes LRU's misses, so no predictor can pass it there."""
@@ -228,8 +252,12 @@ def run(args) -> dict:
         resolve_slots(b / 100, store)  # a budget below top-k fails now, in one line, before any run
 
     reference: dict = {}
-    bar = tqdm(total=(1 + len(budgets) * (len(methods) - ("resident" in methods))) * len(prompts)
-               + len(args.ratios) * (len(methods) - ("resident" in methods)), desc="moe bench", unit="run")
+    bar = tqdm(
+        total=(1 + len(budgets) * (len(methods) - ("resident" in methods))) * len(prompts)
+        + len(args.ratios) * (len(methods) - ("resident" in methods)),
+        desc="moe bench",
+        unit="run",
+    )
     # all experts resident: the tokens every other row is checked against, and this machine's compute
     resident = measure(args, "resident", 100.0, store, None, prompts, reference)
     bar.update(len(prompts))
@@ -254,8 +282,15 @@ def run(args) -> dict:
             if m == "resident":
                 continue
             bar.set_postfix_str(f"ratio {r:g} {m}")
-            row = measure(args, m, args.regime_budget, store, link_for(r, store.expert_bytes(), layer_ms),
-                          prompts[: args.regime_prompts], reference)
+            row = measure(
+                args,
+                m,
+                args.regime_budget,
+                store,
+                link_for(r, store.expert_bytes(), layer_ms),
+                prompts[: args.regime_prompts],
+                reference,
+            )
             regime.append({**row, "ratio": r})
             bar.update()
     bar.close()
@@ -270,12 +305,16 @@ def run(args) -> dict:
         "prompts": len(prompts),
         "prompt_tokens": span,
         "max_tokens": args.max_tokens,
-        "rows": with_vs_lru(rows, compute_ms=1e3 / resident["tokens_per_s"],
-                            expert_ms={None: link.min_seconds(store.expert_bytes()) * 1e3}),
+        "rows": with_vs_lru(
+            rows,
+            compute_ms=1e3 / resident["tokens_per_s"],
+            expert_ms={None: link.min_seconds(store.expert_bytes()) * 1e3},
+        ),
         "regime_budget": args.regime_budget,
         "regime_prompts": min(args.regime_prompts, len(prompts)),
-        "regime": with_vs_lru(regime, "ratio", compute_ms=1e3 / resident["tokens_per_s"],
-                              expert_ms={r: r * layer_ms for r in args.ratios}),
+        "regime": with_vs_lru(
+            regime, "ratio", compute_ms=1e3 / resident["tokens_per_s"], expert_ms={r: r * layer_ms for r in args.ratios}
+        ),
     }
 
 
@@ -329,9 +368,11 @@ def plot_regime(result: dict, path: Path) -> None:
         ax.axvline(PROFILES[name].ratio, color="k", ls=":", lw=0.8)
         ax.text(PROFILES[name].ratio, ax.get_ylim()[1], f" {name}", rotation=90, va="top", fontsize=8)
     ax.set_xscale("log")
-    ax.set(xlabel="one expert's transfer time / one layer's compute time",
-           ylabel="decode tokens/s vs on-demand LRU",
-           title=f"regime map: {result['regime_budget']:g}% expert budget")
+    ax.set(
+        xlabel="one expert's transfer time / one layer's compute time",
+        ylabel="decode tokens/s vs on-demand LRU",
+        title=f"regime map: {result['regime_budget']:g}% expert budget",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     atomic_save_figure(fig, path)
@@ -372,8 +413,10 @@ def link_line(result: dict) -> str:
     line = f"link {gbps} + {result['latency_ms']:.3g} ms per transfer"
     if result["ratio"] is not None:
         expert_ms = result["ratio"] * result["layer_ms"]
-        line += (f" (profile {result['profile'] or 'custom'}: one expert {expert_ms:.2f} ms = {result['ratio']:.2f} x "
-                 f"one layer's compute, {result['layer_ms']:.2f} ms measured here)")
+        line += (
+            f" (profile {result['profile'] or 'custom'}: one expert {expert_ms:.2f} ms = {result['ratio']:.2f} x "
+            f"one layer's compute, {result['layer_ms']:.2f} ms measured here)"
+        )
     return line
 
 

@@ -40,9 +40,21 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import olmoe
 from safetensors import safe_open
 
-CONFIG = dict(model_type="olmoe", hidden_size=384, intermediate_size=384, num_hidden_layers=8, num_attention_heads=6,
-              num_key_value_heads=6, num_experts=32, num_experts_per_tok=4, rms_norm_eps=1e-5, rope_theta=10000.0,
-              max_position_embeddings=2048, tie_word_embeddings=False, norm_topk_prob=False)
+CONFIG = dict(
+    model_type="olmoe",
+    hidden_size=384,
+    intermediate_size=384,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    num_experts=32,
+    num_experts_per_tok=4,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    norm_topk_prob=False,
+)
 EXPLAINED = """- whole: loaded eagerly, every expert resident; budget, eager load: loaded whole, then offloaded (how
   --memory-budget worked before); budget, lazy load: what it does now (weights read when used, each layer's experts
   written to the store and released before the next is read).
@@ -119,8 +131,9 @@ def child(mode: str, folder: str, budget: str, tokens: int) -> dict:
     if mode == "whole":
         mx.eval(lm.model.parameters())
     cache = serve_with_budget(lm, budget) if mode.endswith("budget") else None
-    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
-                                              add_generation_prompt=True)
+    prompt = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True
+    )
     out["tokens"] = [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, max_tokens=tokens)]
     if cache is not None:
         out["hit_rate"] = cache.stats.hit_rate
@@ -133,8 +146,24 @@ def child(mode: str, folder: str, budget: str, tokens: int) -> dict:
 def measure(mode: str, folder: Path, budget: str, tokens: int, home: Path) -> dict:
     env = dict(os.environ, M2R2_HOME=str(home))
     shutil.rmtree(home / "experts", ignore_errors=True)  # every budget row exports afresh: the export is measured
-    r = subprocess.run([sys.executable, "-m", "bench.moe_memory", "--child", mode, "--model", str(folder),
-                        "--budget", budget, "-m", str(tokens)], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.moe_memory",
+            "--child",
+            mode,
+            "--model",
+            str(folder),
+            "--budget",
+            budget,
+            "-m",
+            str(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if r.returncode != 0:
         raise M2R2Error(f"the {mode} run failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -143,27 +172,39 @@ def measure(mode: str, folder: Path, budget: str, tokens: int, home: Path) -> di
 def table(rows: list[dict], size: dict, share: float) -> str:
     mb = 1e6
     expected = size["dense"] + share * size["experts"]
-    lines = [f"test MoE: dense part {size['dense'] / mb:.0f} MB, experts {size['experts'] / mb:.0f} MB; budget "
-             f"{share:.0%} of the experts = {share * size['experts'] / mb:.0f} MB; expected with the budget (dense + "
-             f"budget) {expected / mb:.0f} MB", "",
-             "| run | peak anonymous memory above the start (MB) | / expected | MLX peak decoding (MB) | / expected | "
-             "hit rate | same tokens |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"test MoE: dense part {size['dense'] / mb:.0f} MB, experts {size['experts'] / mb:.0f} MB; budget "
+        f"{share:.0%} of the experts = {share * size['experts'] / mb:.0f} MB; expected with the budget (dense + "
+        f"budget) {expected / mb:.0f} MB",
+        "",
+        "| run | peak anonymous memory above the start (MB) | / expected | MLX peak decoding (MB) | / expected | "
+        "hit rate | same tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     whole = next((r for r in rows if r["mode"] == "whole"), None)
     for r in rows:
         same = "" if whole is None else ("yes" if r["tokens"] == whole["tokens"] else "NO")
         hit = f"{r['hit_rate']:.0%}" if "hit_rate" in r else ""
-        lines.append(f"| {LABELS[r['mode']]} | {r['rss_peak'] / mb:.0f} | {r['rss_peak'] / expected:.2f} | "
-                     f"{r['mlx_peak'] / mb:.0f} | {r['mlx_peak'] / expected:.2f} | {hit} | {same} |")
+        lines.append(
+            f"| {LABELS[r['mode']]} | {r['rss_peak'] / mb:.0f} | {r['rss_peak'] / expected:.2f} | "
+            f"{r['mlx_peak'] / mb:.0f} | {r['mlx_peak'] / expected:.2f} | {hit} | {same} |"
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.moe_memory", description="Peak memory of the test MoE within "
-                                "an expert budget (lazy load) against the model loaded whole.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.moe_memory",
+        description="Peak memory of the test MoE within an expert budget (lazy load) against the model loaded whole.",
+    )
     p.add_argument("--budget", default="25%", help="expert memory budget (default 25%%)")
     p.add_argument("-m", "--max-tokens", type=int, default=16, help="tokens decoded per run (default 16)")
-    p.add_argument("--work", type=Path, default=Path("build/moe-memory"),
-                   help="where the test MoE and its expert stores go (default build/moe-memory)")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("build/moe-memory"),
+        help="where the test MoE and its expert stores go (default build/moe-memory)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -190,8 +231,11 @@ def _main() -> int:
     text = table(rows, sizes(folder), share)
     print(text)
     if args.out:
-        atomic_write_text(args.out, f"# MoE memory within a budget\n\n`python -m bench.moe_memory --budget "
-                          f"{args.budget}` (each row a fresh process)\n\n{text}\n\n{EXPLAINED}\n")
+        atomic_write_text(
+            args.out,
+            f"# MoE memory within a budget\n\n`python -m bench.moe_memory --budget "
+            f"{args.budget}` (each row a fresh process)\n\n{text}\n\n{EXPLAINED}\n",
+        )
     return 0
 
 

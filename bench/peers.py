@@ -22,8 +22,14 @@ def mlx_lm_decoder(lm, draft_model=None, num_draft_tokens: int = 3):
         mx.reset_peak_memory()
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
         events = EventStream(lm.tokenizer, lm.num_layers, len(prompt), len(prompt), max_tokens, time.perf_counter())
-        for r in stream_generate(lm.model, lm.tokenizer, list(prompt), max_tokens=max_tokens,
-                                 sampler=make_sampler(temp=temperature, top_p=top_p), **extra):
+        for r in stream_generate(
+            lm.model,
+            lm.tokenizer,
+            list(prompt),
+            max_tokens=max_tokens,
+            sampler=make_sampler(temp=temperature, top_p=top_p),
+            **extra,
+        ):
             ev = events.event(r.token, drafted=bool(getattr(r, "from_draft", False)))
             yield ev
             if ev.finish_reason:

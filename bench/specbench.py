@@ -45,22 +45,38 @@ SPECBENCH = Path(__file__).resolve().parent / "data" / "question.jsonl"  # Spec-
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
 METHODS = ("plain", "plain-compiled", "mlx-lm", "m2r2", "m2r2-fast", "layerskip", "lookup", "mlx-lm-spec")
-LABELS = {"plain": "plain (ours)", "plain-compiled": "plain, --compile",
-          "mlx-lm": "mlx-lm stream_generate", "m2r2": "M2R2 speculative (hybrid, cost)",
-          "m2r2-fast": "M2R2 fast stream alone", "layerskip": "naive layer-skip", "lookup": "prompt lookup",
-          "mlx-lm-spec": "mlx-lm 2-model speculative"}
+LABELS = {
+    "plain": "plain (ours)",
+    "plain-compiled": "plain, --compile",
+    "mlx-lm": "mlx-lm stream_generate",
+    "m2r2": "M2R2 speculative (hybrid, cost)",
+    "m2r2-fast": "M2R2 fast stream alone",
+    "layerskip": "naive layer-skip",
+    "lookup": "prompt lookup",
+    "mlx-lm-spec": "mlx-lm 2-model speculative",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-bench", description=__doc__.split("\n")[0],
-                                epilog="m2r2-bench --moe [...] runs the MoE expert-cache benchmark instead "
-                                       "(see m2r2-bench --moe --help)")
+    p = argparse.ArgumentParser(
+        prog="m2r2-bench",
+        description=__doc__.split("\n")[0],
+        epilog="m2r2-bench --moe [...] runs the MoE expert-cache benchmark instead (see m2r2-bench --moe --help)",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     p.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
-    p.add_argument("--adapters", "--adapter-path", default=None,
-                   help="M2R2 adapters: a folder or a Hub repo id (default: the packaged ones)")
-    p.add_argument("--questions", type=Path, default=SPECBENCH,
-                   help="Spec-Bench question.jsonl (default: the copy that ships with m2r2-bench)")
+    p.add_argument(
+        "--adapters",
+        "--adapter-path",
+        default=None,
+        help="M2R2 adapters: a folder or a Hub repo id (default: the packaged ones)",
+    )
+    p.add_argument(
+        "--questions",
+        type=Path,
+        default=SPECBENCH,
+        help="Spec-Bench question.jsonl (default: the copy that ships with m2r2-bench)",
+    )
     p.add_argument(
         "--categories",
         default="all",
@@ -74,16 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
     p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0,
-                   help="sample at this temperature (default 0: greedy, every answer compared with plain's)")
+    p.add_argument(
+        "--temperature",
+        "--temp",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (default 0: greedy, every answer compared with plain's)",
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every method's answer to a "
-                                                         "question")
+    p.add_argument(
+        "--seed", type=int, default=0, help="sampling seed, the same for every method's answer to a question"
+    )
     p.add_argument("--gate", type=int, default=None, help="draft exit layer for m2r2/layerskip (default: first gate)")
     p.add_argument(
-        "--draft", "--num-draft-tokens", type=int, default=None,
+        "--draft",
+        "--num-draft-tokens",
+        type=int,
+        default=None,
         help=f"most drafted tokens per step (default: m2r2 {COST_DRAFT}, chosen per step by its cost model; the "
-             f"others {DEFAULT_DRAFT})"
+        f"others {DEFAULT_DRAFT})",
     )
     p.add_argument(
         "--threshold",
@@ -97,11 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=f"M2R2 draft head over the N most frequent tokens (default {DEFAULT_DRAFT_VOCAB} where available; 0 = "
-             "full)",
+        "full)",
     )
     p.add_argument("--draft-model", default=None, help="a small model for mlx-lm's two-model speculative decoding")
-    p.add_argument("--out", type=Path, default=Path("m2r2-bench-results"),
-                   help="folder for JSONL, table and plot (default: ./m2r2-bench-results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("m2r2-bench-results"),
+        help="folder for JSONL, table and plot (default: ./m2r2-bench-results)",
+    )
     return p
 
 
@@ -148,12 +177,18 @@ def make_methods(args, lm, names: list[str]) -> dict:
         elif name == "plain-compiled":
             methods[name] = make_decoder(lm, "plain", compile=True)
         elif name == "m2r2":  # what --mode speculative does by default: hybrid drafting under the cost model
-            methods[name] = make_decoder(lm, "speculative", args.adapters, gate=args.gate, max_draft=args.draft,
-                                         draft_vocab=args.draft_vocab)
+            methods[name] = make_decoder(
+                lm, "speculative", args.adapters, gate=args.gate, max_draft=args.draft, draft_vocab=args.draft_vocab
+            )
         else:  # every proposal verified: the fast stream alone, naive layer skip, prompt lookup
             mode = {"m2r2-fast": "speculative"}.get(name, name)
             methods[name] = make_decoder(
-                lm, mode, args.adapters, drafter="fast", policy="always", gate=args.gate,
+                lm,
+                mode,
+                args.adapters,
+                drafter="fast",
+                policy="always",
+                gate=args.gate,
                 max_draft=args.draft or DEFAULT_DRAFT,
                 threshold=0.0 if mode == "lookup" else DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
                 draft_vocab=args.draft_vocab if mode != "lookup" else 0,
@@ -303,8 +338,9 @@ def _main() -> int:
     if args.max_tokens < 2 or args.turns < 1 or (args.draft is not None and args.draft < 1):
         raise M2R2Error("--max-tokens must be at least 2, --turns and --draft at least 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0) or not 0 < args.top_p <= 1:
-        raise M2R2Error(f"--temperature must be 0 (greedy) or positive and --top-p in (0, 1] (got {args.temperature}"
-                        f", {args.top_p})")
+        raise M2R2Error(
+            f"--temperature must be 0 (greedy) or positive and --top-p in (0, 1] (got {args.temperature}, {args.top_p})"
+        )
     greedy = args.temperature == 0
     sampling = {} if greedy else {"temperature": args.temperature, "top_p": args.top_p}
     questions = select_questions(args.questions, args.categories, args.limit)

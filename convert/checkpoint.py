@@ -31,8 +31,17 @@ PEFT_LAYOUT = "peft-lora"
 DEFAULT_EVERY = 6  # m2r2-train's default gate spacing
 _LAYER = re.compile(r"^(?:adapters|lora)\.(\d+)\.")
 # the form fields an m2r2_config.json beside an own-layout checkpoint may set
-_FORM_FIELDS = ("adapter_form", "adapter_rank", "arla", "arla_dim", "arla_exit_stats", "lora_targets", "lora_scale",
-                "context_feature", "exit_vocab")
+_FORM_FIELDS = (
+    "adapter_form",
+    "adapter_rank",
+    "arla",
+    "arla_dim",
+    "arla_exit_stats",
+    "lora_targets",
+    "lora_scale",
+    "context_feature",
+    "exit_vocab",
+)
 
 
 @dataclass
@@ -87,8 +96,9 @@ def plan_conversion(ckpt: Checkpoint, lm, gates: list[int] | None = None, every:
     return conversion
 
 
-def write_conversion(conversion: Conversion, out: str | Path, dtype: str = "float32", force: bool = False,
-                     keep: tuple[str, ...] = ()) -> Path:
+def write_conversion(
+    conversion: Conversion, out: str | Path, dtype: str = "float32", force: bool = False, keep: tuple[str, ...] = ()
+) -> Path:
     """Cast to ``dtype`` and write the adapters folder atomically (save_adapters); refuses an existing
     folder unless ``force``; ``keep``: entries of the existing folder to carry over (m2r2-train-torch's data)."""
     weights = [(t, conversion.checkpoint.tensors[s].astype(FLOAT_DTYPES[dtype])) for s, t in conversion.targets.items()]

@@ -1,9 +1,9 @@
 """m2r2-convert: import weights into MLX model/adapter folders.
 
-    m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-f32          # llama GGUF -> float32 MLX folder
-    m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-q4 --keep-quantized   # Q4/Q8 kept as MLX 4/8-bit
-    m2r2-convert checkpoint adapters.pt --base smollm2 -o out/       # PyTorch adapters -> MLX adapters folder
-    m2r2-convert adapters.pt --base smollm2 -o out/                  # the same: checkpoint is the default
+m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-f32          # llama GGUF -> float32 MLX folder
+m2r2-convert gguf model.Q4_1.gguf -o models/smollm2-q4 --keep-quantized   # Q4/Q8 kept as MLX 4/8-bit
+m2r2-convert checkpoint adapters.pt --base smollm2 -o out/       # PyTorch adapters -> MLX adapters folder
+m2r2-convert adapters.pt --base smollm2 -o out/                  # the same: checkpoint is the default
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-convert", description="Convert weights into MLX folders for m2r2. "
-                                "Without a command, the arguments are those of 'checkpoint'.")
+    p = argparse.ArgumentParser(
+        prog="m2r2-convert",
+        description="Convert weights into MLX folders for m2r2. "
+        "Without a command, the arguments are those of 'checkpoint'.",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_gguf_parser(sub)
@@ -35,15 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_gguf_parser(sub) -> None:
-    g = sub.add_parser("gguf", help="import a llama-architecture GGUF as a float32 MLX model folder",
-                       description="Dequantize a llama GGUF to float32, undo llama.cpp's rotary q/k permutation, "
-                                   "and rebuild its tokenizer and chat template; the folder loads with mlx_lm.load.")
+    g = sub.add_parser(
+        "gguf",
+        help="import a llama-architecture GGUF as a float32 MLX model folder",
+        description="Dequantize a llama GGUF to float32, undo llama.cpp's rotary q/k permutation, "
+        "and rebuild its tokenizer and chat template; the folder loads with mlx_lm.load.",
+    )
     g.add_argument("gguf", help="path to the .gguf file")
     g.add_argument("-o", "--output", required=True, help="output folder (written atomically)")
     g.add_argument("--force", action="store_true", help="replace an existing output folder")
-    g.add_argument("--keep-quantized", action="store_true",
-                   help="keep Q4_0, Q4_1 and Q8_0 tensors quantized, as MLX's affine 4/8-bit weights (exact, 4-7x "
-                   "smaller than float32; faster on Apple silicon, slower than float32 on a CPU)")
+    g.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep Q4_0, Q4_1 and Q8_0 tensors quantized, as MLX's affine 4/8-bit weights (exact, 4-7x "
+        "smaller than float32; faster on Apple silicon, slower than float32 on a CPU)",
+    )
 
 
 def add_checkpoint_parser(sub) -> None:

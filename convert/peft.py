@@ -60,8 +60,10 @@ def read_lora_settings(folder: Path, names) -> LoraSettings:
     express (DoRA, per-module ranks, trained biases) is refused rather than dropped."""
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise M2R2Error(f"the checkpoint has PEFT LoRA tensors but no {CONFIG_FILE} beside it; "
-                        "copy it from the PEFT output folder (it gives r, lora_alpha, target_modules)")
+        raise M2R2Error(
+            f"the checkpoint has PEFT LoRA tensors but no {CONFIG_FILE} beside it; "
+            "copy it from the PEFT output folder (it gives r, lora_alpha, target_modules)"
+        )
     try:
         cfg = json.loads(path.read_text())
         if not isinstance(cfg, dict):
@@ -71,8 +73,12 @@ def read_lora_settings(folder: Path, names) -> LoraSettings:
     kind = str(cfg.get("peft_type") or "LORA").upper()
     if kind != "LORA":
         raise M2R2Error(f"{path} describes a {kind} adapter; only LoRA checkpoints convert")
-    for key, why in (("use_dora", "DoRA magnitudes"), ("lora_bias", "LoRA biases"),
-                     ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
+    for key, why in (
+        ("use_dora", "DoRA magnitudes"),
+        ("lora_bias", "LoRA biases"),
+        ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"),
+    ):
         if cfg.get(key):
             raise M2R2Error(f"{path} sets {key}: {why} are not supported by the M2R2 lora form")
     if cfg.get("bias", "none") not in ("none", None):

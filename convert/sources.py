@@ -34,8 +34,10 @@ class Checkpoint:
 
     def add(self, name: str, array: mx.array, file: Path) -> None:
         if name in self.tensors:
-            raise M2R2Error(f"tensor {name!r} appears twice (in {self.files[name].name} and {file.name}); "
-                            "a checkpoint must name each tensor once")
+            raise M2R2Error(
+                f"tensor {name!r} appears twice (in {self.files[name].name} and {file.name}); "
+                "a checkpoint must name each tensor once"
+            )
         _check_float(dtype_name(array), name, file)
         self.tensors[name] = array
         self.files[name] = file

@@ -32,8 +32,12 @@ from m2r2_mlx.models.registry import load_model
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-PROMPTS = ["Give me three tips for learning to cook.", "Explain how a bicycle stays upright.",
-           "Write a short poem about the sea.", "What is the difference between a list and a tuple in Python?"]
+PROMPTS = [
+    "Give me three tips for learning to cook.",
+    "Explain how a bicycle stays upright.",
+    "Write a short poem about the sea.",
+    "What is the difference between a list and a tuple in Python?",
+]
 
 
 def static_step(parts: BaseParts, capacity: int, n: int):
@@ -122,12 +126,15 @@ def main() -> int:
 
     lm = load_model()
     parts = BaseParts(lm.model)
-    prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in PROMPTS]
+    prompts = [
+        lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in PROMPTS
+    ]
     capacity = 256 * ((max(map(len, prompts)) + args.tokens + 255) // 256)
     step = static_step(parts, capacity, 1)
-    loops = {"eager": lambda q: eager_loop(lm.model, q, args.tokens),
-             "static": lambda q: static_loop(lm.model, step, capacity, q, args.tokens)}
+    loops = {
+        "eager": lambda q: eager_loop(lm.model, q, args.tokens),
+        "static": lambda q: static_loop(lm.model, step, capacity, q, args.tokens),
+    }
     compiled = mx.compile(step)
     loops["compiled"] = lambda q: static_loop(lm.model, compiled, capacity, q, args.tokens)
     for loop in loops.values():  # warm-up: traces, the C++ kernels compile builds, allocator pools
@@ -154,8 +161,10 @@ def main() -> int:
         "",
         "| loop | ms per token | vs eager |",
         "|---|---|---|",
-        *(f"| {name} | {1e3 * statistics.median(t):.1f} | {eager / statistics.median(t):.2f}x |"
-          for name, t in per_token.items()),
+        *(
+            f"| {name} | {1e3 * statistics.median(t):.1f} | {eager / statistics.median(t):.2f}x |"
+            for name, t in per_token.items()
+        ),
         "",
         "| one 8-token forward (verification) | ms |",
         "|---|---|",

@@ -66,8 +66,11 @@ def features(m2r2, lm, questions: list[dict], answer_tokens: int):
         scores["confidence"].append(f["confidence"][answer])
         labels.append(f["label"][answer])
         tokens.append(f["token"][answer])
-    return ({k: np.concatenate(v) for k, v in scores.items() if v}, np.concatenate(labels).astype(bool),
-            np.concatenate(tokens))
+    return (
+        {k: np.concatenate(v) for k, v in scores.items() if v},
+        np.concatenate(labels).astype(bool),
+        np.concatenate(tokens),
+    )
 
 
 def with_patience(scores: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -103,15 +106,21 @@ def _main() -> int:
     qs = select_questions(args.questions, args.categories, args.per_category)
     scores, labels, tokens = features(m2r2, lm, qs, args.answer_tokens)
     off = np.inf  # a gate that is not checked
-    policies = {f"flat tau, gates {'/'.join(map(str, gates[:n]))}": (lambda t, n=n: [t] * n + [off] * (len(gates) - n))
-                for n in range(1, len(gates) + 1)}
+    policies = {
+        f"flat tau, gates {'/'.join(map(str, gates[:n]))}": (lambda t, n=n: [t] * n + [off] * (len(gates) - n))
+        for n in range(1, len(gates) + 1)
+    }
     policies["scaled tau, all gates"] = lambda t: gate_thresholds(t, gates, gates[0], L)
     head = "| rule | thresholds | " + " | ".join(f"≥ {100 * t:.0f}%" for t in TARGETS) + " |"
-    lines = ["# Early-exit thresholds: flat or scaled per gate (teacher-forced)\n",
-             f"`python -m experiments.exit_policies {' '.join(sys.argv[1:])}`; {len(qs)} Spec-Bench first turns, "
-             f"{len(labels)} answer tokens, exits over {'all' if m2r2.exit_head is None else len(m2r2.exit_head)} "
-             f"tokens of the vocabulary. Exit-depth saved (share of the {L} layers) at the best tau that keeps at "
-             "least the column's token agreement.\n", head, "|---" * (len(TARGETS) + 2) + "|"]
+    lines = [
+        "# Early-exit thresholds: flat or scaled per gate (teacher-forced)\n",
+        f"`python -m experiments.exit_policies {' '.join(sys.argv[1:])}`; {len(qs)} Spec-Bench first turns, "
+        f"{len(labels)} answer tokens, exits over {'all' if m2r2.exit_head is None else len(m2r2.exit_head)} "
+        f"tokens of the vocabulary. Exit-depth saved (share of the {L} layers) at the best tau that keeps at "
+        "least the column's token agreement.\n",
+        head,
+        "|---" * (len(TARGETS) + 2) + "|",
+    ]
     scaled = policies["scaled tau, all gates"]
     for rule, s in scores.items():
         rows = [(name, frontier(s, labels, saved_at, policy)) for name, policy in policies.items()]

@@ -72,8 +72,12 @@ def table(results: dict) -> str:
     for name, r in results.items():
         cols = [("naive", "naive early exit")] + [("baseline", "M2R2, baseline adapters")] * ("baseline" in r)
         cols.append(("m2r2", "M2R2 fast stream"))
-        lines += [f"### {name} ({r['tokens']} tokens)", "", "| gate | " + " | ".join(c for _, c in cols) + " |",
-                  "|---" * (len(cols) + 1) + "|"]
+        lines += [
+            f"### {name} ({r['tokens']} tokens)",
+            "",
+            "| gate | " + " | ".join(c for _, c in cols) + " |",
+            "|---" * (len(cols) + 1) + "|",
+        ]
         for j, g in enumerate(r["gates"]):
             lines.append(f"| L{g} | " + " | ".join(f"{100 * r[k][j]:.1f}%" for k, _ in cols) + " |")
         lines.append("")

@@ -54,7 +54,7 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
         gates.append(block.gate)
     try:
         for i in range(n):
-            out = model(mx.array(tokens[i * seq_len: (i + 1) * seq_len][None].astype(np.int32)))
+            out = model(mx.array(tokens[i * seq_len : (i + 1) * seq_len][None].astype(np.int32)))
             mx.eval(out, [g.logits[-1] for g in gates], [g.inputs[-1] for g in gates])
     finally:
         for (_, block), gate in zip(blocks, gates):
@@ -72,9 +72,17 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
         # reuse within each sequence: token t+1's picks that token t also picked
         per_seq = picks.reshape(n, seq_len, k)
         same = (per_seq[:, 1:, :, None] == per_seq[:, :-1, None, :]).any(-1).mean()
-        row = dict(layer=layer, experts=E, k=k, load=load_share, max_over_mean=load_share.max() * E,
-                   cv=load_share.std() / load_share.mean(), entropy=float(entropy), reuse=float(same),
-                   chance=k / E)
+        row = dict(
+            layer=layer,
+            experts=E,
+            k=k,
+            load=load_share,
+            max_over_mean=load_share.max() * E,
+            cv=load_share.std() / load_share.mean(),
+            entropy=float(entropy),
+            reuse=float(same),
+            chance=k / E,
+        )
         if j + 1 < len(blocks):  # next-layer pre-gating recall
             x = mx.concatenate([a.reshape(-1, a.shape[-1]) for a in gate.inputs])
             pred = np.array(router(blocks[j + 1][1])(x))  # the routers are restored by now
@@ -86,12 +94,18 @@ def routing_stats(model, tokens: np.ndarray, seq_len: int = 512, max_tokens: int
 
 
 def table(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| layer | max/mean load | load CV | routing entropy / log E | next-token reuse (chance) | "
-             "pre-gating recall |", "|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| layer | max/mean load | load CV | routing entropy / log E | next-token reuse (chance) | pre-gating recall |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         pg = f"{r['pregate_recall']:.1%}" if "pregate_recall" in r else "n/a (last layer)"
-        lines.append(f"| {r['layer']} | {r['max_over_mean']:.2f} | {r['cv']:.2f} | {r['entropy']:.2f} | "
-                     f"{r['reuse']:.1%} ({r['chance']:.1%}) | {pg} |")
+        lines.append(
+            f"| {r['layer']} | {r['max_over_mean']:.2f} | {r['cv']:.2f} | {r['entropy']:.2f} | "
+            f"{r['reuse']:.1%} ({r['chance']:.1%}) | {pg} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -104,8 +118,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1.6, 1]))
     loads = np.stack([r["load"] * r["experts"] for r in rows])
     im = a.imshow(loads, aspect="auto", cmap="viridis")
-    a.set(xlabel="expert", ylabel="layer", title="expert load (share x E; 1 = even)",
-          yticks=range(len(rows)), yticklabels=[r["layer"] for r in rows])
+    a.set(
+        xlabel="expert",
+        ylabel="layer",
+        title="expert load (share x E; 1 = even)",
+        yticks=range(len(rows)),
+        yticklabels=[r["layer"] for r in rows],
+    )
     fig.colorbar(im, ax=a)
     layers = [r["layer"] for r in rows]
     b.plot(layers, [r["reuse"] for r in rows], "o-", label="next-token reuse")
@@ -122,14 +141,19 @@ def plot(rows: list[dict], path: Path) -> None:
 def _main() -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.moe_routing", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="build/tiny-olmoe")
-    ap.add_argument("--tokens", type=Path, default=Path("build/olmoe-data/eval.npy"),
-                    help="held-out token ids (.npy) in the model's vocabulary")
+    ap.add_argument(
+        "--tokens",
+        type=Path,
+        default=Path("build/olmoe-data/eval.npy"),
+        help="held-out token ids (.npy) in the model's vocabulary",
+    )
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--out", type=Path, default=Path("docs"))
     args = ap.parse_args()
     if not args.tokens.is_file():
-        raise M2R2Error(f"{args.tokens} not found; build it with: python -m m2r2_mlx.moe.tiny_olmoe data -o "
-                        "build/olmoe-data")
+        raise M2R2Error(
+            f"{args.tokens} not found; build it with: python -m m2r2_mlx.moe.tiny_olmoe data -o build/olmoe-data"
+        )
     lm = load_model(args.model)
     tokens = np.load(args.tokens)
     rows = routing_stats(lm.model, tokens, max_tokens=args.max_tokens)

@@ -77,8 +77,11 @@ def main() -> int:
 
     lm = load_model()
     questions = select_questions(SPECBENCH, args.categories, 1)
-    decoders = {"plain": make_decoder(lm, "plain"), "speculative, plain stretches": priced_out(lm, True),
-                "speculative, synchronous steps": priced_out(lm, False)}
+    decoders = {
+        "plain": make_decoder(lm, "plain"),
+        "speculative, plain stretches": priced_out(lm, True),
+        "speculative, synchronous steps": priced_out(lm, False),
+    }
     for decode in decoders.values():  # warm-up, and the engines' one-time cost calibration
         run_turns(lm, decode, questions[0]["turns"][:1], 8)
     ratios = {name: [] for name in decoders}
@@ -112,8 +115,12 @@ def main() -> int:
         "",
         "| context | one position, ms | " + " | ".join(shapes[1:]) + " |",
         "|---|---|" + "---|" * (len(shapes) - 1),
-        *(f"| {ctx} | {1e3 * row['chain 1']:.1f} | "
-          + " | ".join(f"{row[s] / row['chain 1']:.2f}x" for s in shapes[1:]) + " |" for ctx, row in costs.items()),
+        *(
+            f"| {ctx} | {1e3 * row['chain 1']:.1f} | "
+            + " | ".join(f"{row[s] / row['chain 1']:.2f}x" for s in shapes[1:])
+            + " |"
+            for ctx, row in costs.items()
+        ),
         "",
     ]
     text = "\n".join(lines)

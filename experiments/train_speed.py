@@ -83,8 +83,12 @@ def torch_seconds(args, rows, gates) -> float:
 
 def side_seconds(side: str) -> float:
     """Seconds per step of one trainer, measured in a fresh process (this command with --side)."""
-    r = subprocess.run([sys.executable, "-m", "experiments.train_speed", *sys.argv[1:], "--side", side],
-                       stdout=subprocess.PIPE, text=True, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments.train_speed", *sys.argv[1:], "--side", side],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
     lines = [line for line in r.stdout.splitlines() if line.startswith("SECONDS_PER_STEP ")]
     if r.returncode or not lines:
         raise M2R2Error(f"the {side} trainer's run failed (exit {r.returncode}); its messages are above")

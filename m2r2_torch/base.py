@@ -34,8 +34,10 @@ def resolve_base(name: str | None) -> tuple[str, Path]:
 
 def _resolve_without_mlx(name: str | None) -> tuple[str, Path]:
     if not name:
-        raise M2R2Error("mlx-lm is not installed here, so the embedded model has no alias; pass --model FOLDER, "
-                        "--model FILE.gguf or a Hub repo id")
+        raise M2R2Error(
+            "mlx-lm is not installed here, so the embedded model has no alias; pass --model FOLDER, "
+            "--model FILE.gguf or a Hub repo id"
+        )
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         from m2r2_mlx.models.gguf_import import import_gguf  # needs gguf and tokenizers: only for a GGUF
@@ -53,10 +55,13 @@ def _resolve_without_mlx(name: str | None) -> tuple[str, Path]:
         try:
             return name, Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
         except Exception as e:  # offline, unknown or gated repo: one line
-            raise M2R2Error(f"model {name!r} could not be fetched from the Hub ({type(e).__name__}); pass a "
-                            "local folder with --model") from None
-    raise M2R2Error(f"model {name!r} is neither a folder, a .gguf file nor a Hub repo id (owner/name); "
-                    "aliases need mlx-lm")
+            raise M2R2Error(
+                f"model {name!r} could not be fetched from the Hub ({type(e).__name__}); pass a "
+                "local folder with --model"
+            ) from None
+    raise M2R2Error(
+        f"model {name!r} is neither a folder, a .gguf file nor a Hub repo id (owner/name); aliases need mlx-lm"
+    )
 
 
 class ChatTokenizer:
@@ -105,8 +110,14 @@ class TorchLM:
 
     def m2r2_config(self, gates: list[int], **fields) -> M2R2Config:
         """An M2R2Config naming this base (as m2r2_mlx.core.adapters.config_for_base does for MLX)."""
-        return M2R2Config(gates=gates, num_layers=self.num_layers, hidden_size=int(self.config["hidden_size"]),
-                          base_model=self.name, base_config_hash=self.config_hash, **fields)
+        return M2R2Config(
+            gates=gates,
+            num_layers=self.num_layers,
+            hidden_size=int(self.config["hidden_size"]),
+            base_model=self.name,
+            base_config_hash=self.config_hash,
+            **fields,
+        )
 
     def check_adapters(self, cfg: M2R2Config, where) -> None:
         """Refuse adapters made for another base (m2r2_mlx.core.adapters.load_adapters' check)."""

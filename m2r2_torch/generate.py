@@ -14,8 +14,16 @@ from typing import Iterator
 import torch
 
 
-def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, batch_size: int = 256,
-                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> Iterator[tuple[int, list[int], str]]:
+def generate_batch(
+    lm,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    batch_size: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> Iterator[tuple[int, list[int], str]]:
     """Greedy answers (``temperature`` 0) or samples at ``temperature`` / ``top_p``, ``batch_size`` prompts a pass;
     on CUDA under bf16 autocast."""
     from transformers import GenerationConfig
@@ -24,8 +32,13 @@ def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, batch_size:
     device = next(model.parameters()).device
     eos, pad = sorted(tok.eos_token_ids), tok.pad_id
     sample = temperature > 0
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=sample, eos_token_id=eos, pad_token_id=pad,
-                              **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}))
+    config = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=sample,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}),
+    )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     generator_seed = seed
     order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))

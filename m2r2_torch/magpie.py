@@ -27,8 +27,9 @@ def torch_sampling(lm, temperature: float, top_p: float, seed: int, batch_size: 
     """``sample_requests``' generate function: each call samples a batch under its own seed (seed, seed + 1, ...),
     so the requests differ from call to call and a rerun draws the same ones."""
     calls = itertools.count(seed * 1_000_003)
-    return lambda prompts, max_tokens: generate_batch(lm, prompts, max_tokens, batch_size=batch_size,
-                                                      temperature=temperature, top_p=top_p, seed=next(calls))
+    return lambda prompts, max_tokens: generate_batch(
+        lm, prompts, max_tokens, batch_size=batch_size, temperature=temperature, top_p=top_p, seed=next(calls)
+    )
 
 
 def _main() -> int:
@@ -40,8 +41,11 @@ def _main() -> int:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--max-tokens", type=int, default=96, help="a request still open after this many tokens is dropped")
     ap.add_argument("--batch-size", type=int, default=512, help="requests sampled per pass (default 512)")
-    ap.add_argument("--decontaminate", metavar="QUESTIONS.jsonl",
-                    help="drop requests sharing --overlap consecutive words with these evaluation questions")
+    ap.add_argument(
+        "--decontaminate",
+        metavar="QUESTIONS.jsonl",
+        help="drop requests sharing --overlap consecutive words with these evaluation questions",
+    )
     ap.add_argument("--overlap", type=int, default=8, help="words in a run that counts as overlap (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="replace an existing output file")
@@ -54,9 +58,16 @@ def _main() -> int:
     lm = load_base(args.model, "cuda" if torch.cuda.is_available() else "cpu")
     generate = torch_sampling(lm, args.temperature, args.top_p, args.seed, args.batch_size)
     with tqdm(total=args.requests, desc="sampling requests", unit="request") as bar:
-        requests, dropped = sample_requests(lm, args.requests, max_tokens=args.max_tokens, banned=banned,
-                                            overlap=args.overlap, batch_size=args.batch_size, progress=bar.update,
-                                            generate=generate)
+        requests, dropped = sample_requests(
+            lm,
+            args.requests,
+            max_tokens=args.max_tokens,
+            banned=banned,
+            overlap=args.overlap,
+            batch_size=args.batch_size,
+            progress=bar.update,
+            generate=generate,
+        )
     atomic_write_text(out, "".join(json.dumps({"category": "magpie", "turns": [r]}) + "\n" for r in requests))
     print(f"wrote {len(requests)} requests to {out}; dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
     return 0

@@ -238,5 +238,12 @@ class M2R2Adapters(nn.Module):
         lora = None
         if cfg.adapter_form == "lora":
             lora = new_lora_deltas(layers[: cfg.gates[-1]], cfg.lora_targets, cfg.adapter_rank, cfg.lora_scale)
-        return cls(cfg.hidden_size, cfg.adapter_rank, cfg.gates, cfg.arla_dim if cfg.arla else None,
-                   cfg.arla_exit_stats, cfg.context_feature, lora)
+        return cls(
+            cfg.hidden_size,
+            cfg.adapter_rank,
+            cfg.gates,
+            cfg.arla_dim if cfg.arla else None,
+            cfg.arla_exit_stats,
+            cfg.context_feature,
+            lora,
+        )

@@ -60,8 +60,10 @@ def join(folder: str | Path, dest: str | Path, force: bool = False) -> Path:
         manifest = json.loads((folder / MANIFEST).read_text())
         parts = manifest["parts"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise M2R2Error(f"{folder / MANIFEST} is missing or not a parts manifest; split the file with "
-                        "python -m m2r2_torch.parts split") from None
+        raise M2R2Error(
+            f"{folder / MANIFEST} is missing or not a parts manifest; split the file with "
+            "python -m m2r2_torch.parts split"
+        ) from None
     if dest.exists():
         refuse_existing(dest, force)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -75,8 +77,9 @@ def join(folder: str | Path, dest: str | Path, force: bool = False) -> Path:
                     raise M2R2Error(f"part {path} named by {MANIFEST} is missing; copy every part")
                 block = path.read_bytes()
                 if len(block) != p["size"] or hashlib.sha256(block).hexdigest() != p["sha256"]:
-                    raise M2R2Error(f"part {path} does not match its sha256 in {MANIFEST}; it was damaged in transit, "
-                                    "copy it again")
+                    raise M2R2Error(
+                        f"part {path} does not match its sha256 in {MANIFEST}; it was damaged in transit, copy it again"
+                    )
                 whole.update(block)
                 out.write(block)
         if whole.hexdigest() != manifest["sha256"]:

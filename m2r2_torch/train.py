@@ -57,48 +57,93 @@ KEEP = (DATA_CACHE, mask_path(DATA_CACHE).name, DISTILL_LOG, CHECKPOINT, TORCH_D
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-train-torch", description="Train M2R2 accelerator adapters in PyTorch "
-                                "(one device, or several under torchrun) and write them as an MLX adapters folder.")
-    p.add_argument("--model", default=None, help="base model: alias, repo id, folder or .gguf (default: embedded "
-                   "smollm2; without mlx-lm installed, a folder, .gguf or repo id)")
-    p.add_argument("--base-name", help="the name the adapters record for their base (e.g. smollm2 when --model is "
-                   "that model's imported folder on a machine without mlx-lm's aliases)")
+    p = argparse.ArgumentParser(
+        prog="m2r2-train-torch",
+        description="Train M2R2 accelerator adapters in PyTorch "
+        "(one device, or several under torchrun) and write them as an MLX adapters folder.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="base model: alias, repo id, folder or .gguf (default: embedded "
+        "smollm2; without mlx-lm installed, a folder, .gguf or repo id)",
+    )
+    p.add_argument(
+        "--base-name",
+        help="the name the adapters record for their base (e.g. smollm2 when --model is "
+        "that model's imported folder on a machine without mlx-lm's aliases)",
+    )
     p.add_argument("-o", "--output", required=True, help="output folder (an MLX adapters folder when done)")
     p.add_argument("--text", nargs="*", default=[], help="plain text files")
-    p.add_argument("--prompts", help="jsonl of prompts; the base answers them first (self-distillation, batched "
-                   "with transformers' generate, greedy; the answer log resumes an interrupted run)")
+    p.add_argument(
+        "--prompts",
+        help="jsonl of prompts; the base answers them first (self-distillation, batched "
+        "with transformers' generate, greedy; the answer log resumes an interrupted run)",
+    )
     p.add_argument("--answer-tokens", type=int, default=160, help="most tokens per self-distilled answer")
     p.add_argument("--generate-batch", type=int, default=256, help="prompts per generation pass (default 256)")
     p.add_argument("--data", metavar="ROWS.npy", help="train on token rows (an earlier run's data.npy)")
     p.add_argument("--gates", help="comma-separated exit layers, e.g. 6,12,18,24 (default: every --every layers)")
     p.add_argument("--every", type=int, default=6, help="gate spacing when --gates is not given (default 6)")
-    p.add_argument("--rank", type=parse_ranks, default=None,
-                   help="adapter bottleneck rank, or one per gate interval (e.g. 256,64,64,64) (default 64)")
-    p.add_argument("--context-feature", action="store_true", help="the first interval also reads the previous "
-                   "position's final state (new adapters only)")
+    p.add_argument(
+        "--rank",
+        type=parse_ranks,
+        default=None,
+        help="adapter bottleneck rank, or one per gate interval (e.g. 256,64,64,64) (default 64)",
+    )
+    p.add_argument(
+        "--context-feature",
+        action="store_true",
+        help="the first interval also reads the previous position's final state (new adapters only)",
+    )
     p.add_argument("--train-gates", help="comma-separated gates whose interval's adapters train (default: all)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4, help="rows per step, over all processes together")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--distill-temp", "--temperature", dest="distill_temp", type=float, default=1.0,
-                   help="distillation temperature (default 1.0)")
-    p.add_argument("--distill-top-k", "--top-k", dest="distill_top_k", type=int, default=16,
-                   help="distil over the union of the teacher's top-k tokens (default 16)")
+    p.add_argument(
+        "--distill-temp",
+        "--temperature",
+        dest="distill_temp",
+        type=float,
+        default=1.0,
+        help="distillation temperature (default 1.0)",
+    )
+    p.add_argument(
+        "--distill-top-k",
+        "--top-k",
+        dest="distill_top_k",
+        type=int,
+        default=16,
+        help="distil over the union of the teacher's top-k tokens (default 16)",
+    )
     p.add_argument("--align", type=float, default=1.0, help="weight of the cosine alignment term")
-    p.add_argument("--loss-on", choices=("all", "answers"), default="all",
-                   help="score every position (default) or only those predicting answer or text tokens")
+    p.add_argument(
+        "--loss-on",
+        choices=("all", "answers"),
+        default="all",
+        help="score every position (default) or only those predicting answer or text tokens",
+    )
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows for the final evaluation")
     p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint (--stage data: continue "
-                   "the answer log)")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long, checkpointed, "
-                   "for a later --resume (a machine lent for minutes at a time)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from OUTPUT/checkpoint (--stage data: continue the answer log)"
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop training after this long, checkpointed, for a later --resume (a machine lent for minutes at a time)",
+    )
     p.add_argument("--init", metavar="ADAPTERS", help="warm start from this adapters folder (its gates and rank)")
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stage", choices=("data", "adapters"), default="adapters",
-                   help="'data': only build OUTPUT/data.npy (self-distilling --prompts) for a later --data")
+    p.add_argument(
+        "--stage",
+        choices=("data", "adapters"),
+        default="adapters",
+        help="'data': only build OUTPUT/data.npy (self-distilling --prompts) for a later --data",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--upload-repo", metavar="OWNER/NAME", help="upload the adapters folder to this Hub model repo")
     return p
@@ -172,8 +217,10 @@ def build_adapters(args, lm) -> tuple[M2R2Adapters, M2R2Config]:
         cfg = M2R2Config.load(folder)
         lm.check_adapters(cfg, folder)
         if args.rank and args.rank != cfg.adapter_rank:
-            raise M2R2Error(f"--rank {args.rank} differs from the --init adapters' rank {cfg.adapter_rank}; drop "
-                            "--rank (widening warm starts is m2r2-train's --init --rank)")
+            raise M2R2Error(
+                f"--rank {args.rank} differs from the --init adapters' rank {cfg.adapter_rank}; drop "
+                "--rank (widening warm starts is m2r2-train's --init --rank)"
+            )
         if args.context_feature and not cfg.context_feature:
             raise M2R2Error("--context-feature adds a context feature to new adapters only; drop it with --init")
         cfg.extra = {}
@@ -181,8 +228,9 @@ def build_adapters(args, lm) -> tuple[M2R2Adapters, M2R2Config]:
     try:
         gates = [int(g) for g in args.gates.split(",")] if args.gates else even_gates(lm.num_layers, args.every)
     except ValueError:
-        raise M2R2Error(f"--gates must be layer numbers separated by commas, e.g. 6,12,18 (got {args.gates!r})"
-                        ) from None
+        raise M2R2Error(
+            f"--gates must be layer numbers separated by commas, e.g. 6,12,18 (got {args.gates!r})"
+        ) from None
     cfg = lm.m2r2_config(gates, adapter_rank=args.rank or 64, context_feature=args.context_feature)
     return M2R2Adapters.from_config(cfg, lm.model.model.layers), cfg
 
@@ -291,8 +339,9 @@ def load_checkpoint(lm, out: Path) -> tuple[M2R2Adapters, M2R2Config, dict, int]
 
 
 @torch.no_grad()
-def heldout_agreement(model: M2R2Torch, rows: np.ndarray, mask: np.ndarray | None, device, autocast,
-                      batch_size: int = 4) -> dict:
+def heldout_agreement(
+    model: M2R2Torch, rows: np.ndarray, mask: np.ndarray | None, device, autocast, batch_size: int = 4
+) -> dict:
     """Top-1 agreement with the full model at every gate, naive exit vs the fast stream (the MLX trainer's
     evaluate.gate_agreement, same keys)."""
     parts, gates = model.parts, model.config.gates
@@ -314,11 +363,18 @@ def heldout_agreement(model: M2R2Torch, rows: np.ndarray, mask: np.ndarray | Non
             hits["naive_scored"] += naive[:, m].sum(1)
             hits["m2r2_scored"] += fast[:, m].sum(1)
             scored += int(m.sum())
-    out = {"gates": list(gates), "naive": (hits["naive"] / total).tolist(), "m2r2": (hits["m2r2"] / total).tolist(),
-           "tokens": total}
+    out = {
+        "gates": list(gates),
+        "naive": (hits["naive"] / total).tolist(),
+        "m2r2": (hits["m2r2"] / total).tolist(),
+        "tokens": total,
+    }
     if mask is not None:
-        out["scored"] = {"naive": (hits["naive_scored"] / max(scored, 1)).tolist(),
-                         "m2r2": (hits["m2r2_scored"] / max(scored, 1)).tolist(), "tokens": scored}
+        out["scored"] = {
+            "naive": (hits["naive_scored"] / max(scored, 1)).tolist(),
+            "m2r2": (hits["m2r2_scored"] / max(scored, 1)).tolist(),
+            "tokens": scored,
+        }
     return out
 
 
@@ -326,11 +382,15 @@ def agreement_table(metrics: dict) -> str:
     lines = []
     scored = metrics.get("scored")
     for j, g in enumerate(metrics["gates"]):
-        line = (f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
-                f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)")
+        line = (
+            f"gate L{g}: naive exit {100 * metrics['naive'][j]:.1f}%  m2r2 {100 * metrics['m2r2'][j]:.1f}%  "
+            f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)"
+        )
         if scored:
-            line += (f"; answers and text only: {100 * scored['naive'][j]:.1f}% / {100 * scored['m2r2'][j]:.1f}% "
-                     f"({scored['tokens']})")
+            line += (
+                f"; answers and text only: {100 * scored['naive'][j]:.1f}% / {100 * scored['m2r2'][j]:.1f}% "
+                f"({scored['tokens']})"
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -353,8 +413,10 @@ def write_outputs(module: M2R2Adapters, cfg: M2R2Config, out: Path, rows: np.nda
         from convert.sources import read_checkpoint
     except ImportError as e:  # no mlx here
         save_draft_vocab(out / TORCH_DIR, tokens, cover, source=f"m2r2-train-torch rows: {rows.size} tokens")
-        return (f"wrote {out / TORCH_DIR} ({e.name} is not installed here, so no MLX folder); convert it where mlx is: "
-                f"m2r2-convert {out / TORCH_DIR} --base {lm.name} -o ADAPTERS")
+        return (
+            f"wrote {out / TORCH_DIR} ({e.name} is not installed here, so no MLX folder); convert it where mlx is: "
+            f"m2r2-convert {out / TORCH_DIR} --base {lm.name} -o ADAPTERS"
+        )
     conversion = plan_conversion(read_checkpoint(out / TORCH_DIR), load_model(str(lm.path), tokenizer=False))
     conversion.config.base_model = cfg.base_model  # the name it was trained under (an alias), not the folder
     write_conversion(conversion, out, force=True, keep=KEEP)
@@ -401,8 +463,10 @@ def train(args) -> Path:
         log(f"{out / DATA_CACHE}: {len(rows)} rows of {rows.shape[1]} tokens")
         return out
     if args.loss_on == "answers" and mask is None:
-        raise M2R2Error(f"--loss-on answers needs the rows' loss mask {mask_path(args.data or out / DATA_CACHE)}; "
-                        "rebuild the rows with --stage data")
+        raise M2R2Error(
+            f"--loss-on answers needs the rows' loss mask {mask_path(args.data or out / DATA_CACHE)}; "
+            "rebuild the rows with --stage data"
+        )
     n_eval = min(args.eval_rows, max(1, len(rows) // 10))
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
     eval_mask, train_mask = (None, None) if mask is None else (mask[:n_eval], mask[n_eval:])
@@ -420,20 +484,27 @@ def train(args) -> Path:
     trainable = [p for p in model.parameters() if p.requires_grad]
     ddp = model
     if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                        else None)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     per_process = args.batch_size // world
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training adapters", unit="step",
-               disable=not main_process)
+    bar = tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        desc="training adapters",
+        unit="step",
+        disable=not main_process,
+    )
     tokens, t0 = 0, time.perf_counter()
     stopped = None
     for step in bar:
-        batch = batch_rows(args.seed, step, len(train_rows), args.batch_size)[rank * per_process:][:per_process]
+        batch = batch_rows(args.seed, step, len(train_rows), args.batch_size)[rank * per_process :][:per_process]
         ids = torch.from_numpy(train_rows[batch].astype(np.int64)).to(device)
         scored = None
         if args.loss_on == "answers":
@@ -459,8 +530,10 @@ def train(args) -> Path:
     if stopped is not None:
         if main_process:
             save_checkpoint(module, cfg, opt, stopped, out)
-            log(f"stopped after {args.max_minutes:g} minutes at step {stopped} of {args.steps}, {tokens / seconds:.0f} "
-                f"tokens/s; continue with the same command and --resume")
+            log(
+                f"stopped after {args.max_minutes:g} minutes at step {stopped} of {args.steps}, {tokens / seconds:.0f} "
+                f"tokens/s; continue with the same command and --resume"
+            )
         barrier(world)
         return out
 
@@ -481,9 +554,11 @@ def train(args) -> Path:
         log(f"{tokens} tokens in {seconds:.1f} s: {tokens / max(seconds, 1e-9):.0f} tokens/s")
         if args.upload_repo:
             if not (out / CONFIG_FILE).is_file():
-                raise M2R2Error(f"--upload-repo uploads the MLX adapters folder, which was not written here (no "
-                                f"mlx); convert {out / TORCH_DIR} with m2r2-convert where MLX runs, then upload that "
-                                f"folder with `huggingface-cli upload {args.upload_repo} DIR`")
+                raise M2R2Error(
+                    f"--upload-repo uploads the MLX adapters folder, which was not written here (no "
+                    f"mlx); convert {out / TORCH_DIR} with m2r2-convert where MLX runs, then upload that "
+                    f"folder with `huggingface-cli upload {args.upload_repo} DIR`"
+                )
             from m2r2_mlx.core.hub import upload_adapters  # needs mlx-lm: present, since the MLX folder was written
 
             log(f"uploaded to {upload_adapters(out, args.upload_repo)}")

@@ -31,21 +31,38 @@ log = logging.getLogger("m2r2-server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-server", description="Serve a model over OpenAI's HTTP API with M2R2 "
-                                "decoding (early exit, lossless speculative decoding), every mode per request.")
+    p = argparse.ArgumentParser(
+        prog="m2r2-server",
+        description="Serve a model over OpenAI's HTTP API with M2R2 "
+        "decoding (early exit, lossless speculative decoding), every mode per request.",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
-    p.add_argument("--model", default=None,
-                   help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
-                   f"the base the --adapters name, else {DEFAULT_MODEL}, embedded)")
-    p.add_argument("--adapters", "--adapter-path", default=None,
-                   help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the "
-                   "embedded model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
+        f"the base the --adapters name, else {DEFAULT_MODEL}, embedded)",
+    )
+    p.add_argument(
+        "--adapters",
+        "--adapter-path",
+        default=None,
+        help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the embedded model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
-    p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait for the model; more are answered 503 (default: 16)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="what the server logs to stderr (default: INFO: one line per request)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=16,
+        help="requests that may wait for the model; more are answered 503 (default: 16)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="what the server logs to stderr (default: INFO: one line per request)",
+    )
     add_options(p)
     return p
 
@@ -74,8 +91,12 @@ def _main() -> int:
         raise M2R2Error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
     host, port = server.server_address[:2]
     modes = "all modes" if adapters else "plain, layerskip and lookup (no adapters for this model)"
-    print(f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS) "
-          f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(
+        f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS) "
+        f"on http://{host}:{port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve_forever()
     finally:

@@ -14,8 +14,12 @@ from .protocol import RequestError, chunk, completion, error_body, parse_request
 from .worker import Failed, Job, ModelWorker, Piece
 
 log = logging.getLogger("m2r2-server")
-ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text",
-          "/completions": "text"}
+ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "text",
+    "/completions": "text",
+}
 MAX_BODY = 16 << 20  # bytes: a request larger than this is refused before it is read
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -97,8 +101,9 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0].rstrip("/")
         try:
             if path not in ROUTES:
-                raise RequestError(f"no such endpoint: POST {path} (try /v1/chat/completions or /v1/completions)",
-                                   status=404)
+                raise RequestError(
+                    f"no such endpoint: POST {path} (try /v1/chat/completions or /v1/completions)", status=404
+                )
             request = parse_request(ROUTES[path], self._body(), self.server.defaults)
             job = self.server.worker.submit(request)
         except RequestError as e:
@@ -139,8 +144,10 @@ class Handler(BaseHTTPRequestHandler):
             self._error(item.error)
             return
         req = job.request
-        self._json(200, completion(req, self.server.model_name, "".join(pieces), item.finish_reason,
-                                   usage(item.stats, item.mode)))
+        self._json(
+            200,
+            completion(req, self.server.model_name, "".join(pieces), item.finish_reason, usage(item.stats, item.mode)),
+        )
 
     def _stream(self, job: Job, item) -> None:
         req, model = job.request, self.server.model_name

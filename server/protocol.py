@@ -34,8 +34,7 @@ UNSUPPORTED = {
 class RequestError(Exception):
     """A request the server refuses: HTTP ``status`` with OpenAI's error object."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
@@ -99,8 +98,7 @@ def _prompt(body: dict) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(_is(t, int) and t >= 0 for t in prompt):
         return prompt
-    raise RequestError("'prompt' must be a non-empty string, or a list of token ids (one prompt per request)",
-                       "prompt")
+    raise RequestError("'prompt' must be a non-empty string, or a list of token ids (one prompt per request)", "prompt")
 
 
 def _stop(body: dict) -> list[str]:
@@ -149,9 +147,16 @@ def parse_request(kind: str, body, defaults: dict) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
-    req = Request(kind, request_options(body, defaults), stream=stream,
-                  include_usage=bool(stream_options.get("include_usage")), stop=_stop(body), model=model,
-                  id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()))
+    req = Request(
+        kind,
+        request_options(body, defaults),
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage")),
+        stop=_stop(body),
+        model=model,
+        id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+    )
     if kind == "chat":
         req.messages = _messages(body)
     else:
@@ -178,7 +183,7 @@ class StopMatcher:
             self.stopped, self.pending = True, ""
             return text[: min(hits)]
         hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        self.pending = text[len(text) - hold:] if hold else ""
+        self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
 
     def flush(self) -> str:

@@ -106,8 +106,9 @@ class ModelWorker:
                 job.items.put(Failed(RequestError(str(e))))
             except Exception as e:  # a bug: the request fails with a 500, the server goes on
                 log.error("request %s failed:\n%s", job.request.id, traceback.format_exc())
-                job.items.put(Failed(RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
-                                                  kind="server_error")))
+                job.items.put(
+                    Failed(RequestError(f"internal error ({type(e).__name__}: {e})", status=500, kind="server_error"))
+                )
 
     # ---- requests ---------------------------------------------------------------------------------------
     def submit(self, request: Request) -> Job:
@@ -116,7 +117,9 @@ class ModelWorker:
             raise RequestError(
                 f"mode {request.options['mode']!r} needs M2R2 adapters and this server has none for its model; "
                 "start m2r2-server with --adapters DIR or a Hub repo id (modes without adapters: plain, layerskip, "
-                "lookup)", "mode")
+                "lookup)",
+                "mode",
+            )
         try:  # a request's mode against the server's KV options
             check_cache_options({**self.defaults, "mode": request.options["mode"]})
         except M2R2Error as e:
@@ -125,8 +128,11 @@ class ModelWorker:
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
-            raise RequestError(f"the server is busy ({self.jobs.maxsize} requests waiting); retry later",
-                               status=503, kind="server_error") from None
+            raise RequestError(
+                f"the server is busy ({self.jobs.maxsize} requests waiting); retry later",
+                status=503,
+                kind="server_error",
+            ) from None
         return job
 
     def decoder(self, options: dict) -> Callable:
@@ -156,8 +162,9 @@ class ModelWorker:
         check_context(len(prompt), self.lm.context_length)
         decode = self.decoder(req.options)
         stats, stops, finish = AnswerStats(), StopMatcher(req.stop), None
-        stream = decode(prompt, cache=self.session.cache, context_length=self.lm.context_length,
-                        **generation_options(req.options))
+        stream = decode(
+            prompt, cache=self.session.cache, context_length=self.lm.context_length, **generation_options(req.options)
+        )
         try:
             for ev in stream:
                 stats.add(ev)

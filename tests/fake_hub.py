@@ -46,5 +46,3 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "create_commit", create_commit)
     return SimpleNamespace(cache=cache, uploads=uploads)
-
-

@@ -26,9 +26,26 @@ def _questions(tmp_path):
 def test_bench_runs_every_method_and_writes_its_files(tmp_path):
     q = _questions(tmp_path)
     out = tmp_path / "out"
-    r = subprocess.run([EXE, "--questions", str(q), "--categories", "writing,qa", "--max-tokens", "12",
-                        "--methods", "plain,mlx-lm,m2r2,layerskip,lookup", "--draft-model", "smollm2",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            EXE,
+            "--questions",
+            str(q),
+            "--categories",
+            "writing,qa",
+            "--max-tokens",
+            "12",
+            "--methods",
+            "plain,mlx-lm,m2r2,layerskip,lookup",
+            "--draft-model",
+            "smollm2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     methods = ["plain", "mlx-lm", "m2r2", "layerskip", "lookup", "mlx-lm-spec"]
     for m in methods:
@@ -49,17 +66,53 @@ def test_bench_samples_when_asked(tmp_path):
     """--temperature: every method samples (mlx-lm through its own sampler), seeded per question; answers are not
     compared with plain's, and the table says so."""
     out = tmp_path / "out"
-    r = subprocess.run([EXE, "--questions", str(_questions(tmp_path)), "--categories", "qa", "--max-tokens", "16",
-                        "--methods", "plain,mlx-lm,m2r2", "--temperature", "1.0", "--top-p", "0.95", "--seed", "3",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            EXE,
+            "--questions",
+            str(_questions(tmp_path)),
+            "--categories",
+            "qa",
+            "--max-tokens",
+            "16",
+            "--methods",
+            "plain,mlx-lm,m2r2",
+            "--temperature",
+            "1.0",
+            "--top-p",
+            "0.95",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     table = (out / "results.md").read_text()
     assert "sampled (temperature 1.0, top-p 0.95)" in table
     overall = [line for line in table.splitlines() if line.startswith("| overall")]
     assert len(overall) == 3 and all(line.rstrip(" |").endswith("- (sampled)") for line in overall)
-    greedy = subprocess.run([EXE, "--questions", str(_questions(tmp_path)), "--categories", "qa", "--max-tokens",
-                             "16", "--methods", "plain", "--out", str(tmp_path / "greedy")], capture_output=True,
-                            text=True, timeout=900)
+    greedy = subprocess.run(
+        [
+            EXE,
+            "--questions",
+            str(_questions(tmp_path)),
+            "--categories",
+            "qa",
+            "--max-tokens",
+            "16",
+            "--methods",
+            "plain",
+            "--out",
+            str(tmp_path / "greedy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert greedy.returncode == 0
     answer = lambda folder: json.loads((folder / "plain.jsonl").read_text())["choices"][0]["turns"]  # noqa: E731
     assert answer(out) != answer(tmp_path / "greedy")  # 16 tokens at temperature 1: not the greedy answer
@@ -81,14 +134,17 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
-@pytest.mark.parametrize("args, message", [
-    (["--categories", "poetry"], "unknown categories"),
-    (["--methods", "plain,warp"], "unknown methods"),
-    (["--methods", "mlx-lm-spec"], "needs --draft-model"),
-    (["--questions", "/no/such.jsonl"], "not found"),
-    (["--temperature", "-1"], "--temperature must be 0"),
-    (["--top-p", "0"], "--top-p in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--categories", "poetry"], "unknown categories"),
+        (["--methods", "plain,warp"], "unknown methods"),
+        (["--methods", "mlx-lm-spec"], "needs --draft-model"),
+        (["--questions", "/no/such.jsonl"], "not found"),
+        (["--temperature", "-1"], "--temperature must be 0"),
+        (["--top-p", "0"], "--top-p in (0, 1]"),
+    ],
+)
 def test_bench_bad_input_is_one_line(tmp_path, args, message):
     r = subprocess.run(
         [EXE, "--questions", str(_questions(tmp_path)), *args], capture_output=True, text=True, timeout=600

@@ -25,8 +25,14 @@ def home(tmp_path):
 
 
 def cache(home, *args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "m2r2_mlx.models.cache_cli", *args], capture_output=True,
-                          text=True, input=stdin, env={**os.environ, "M2R2_HOME": str(home)}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "m2r2_mlx.models.cache_cli", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env={**os.environ, "M2R2_HOME": str(home)},
+        timeout=120,
+    )
 
 
 def test_list_shows_entries_sizes_and_total(home):
@@ -58,10 +64,13 @@ def test_remove_all(home):
     assert "is empty" in cache(home, "list").stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["remove", "nosuch", "--yes"], "'nosuch' is not in m2r2's cache"),
-    (["remove", "--yes"], "say what to remove"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["remove", "nosuch", "--yes"], "'nosuch' is not in m2r2's cache"),
+        (["remove", "--yes"], "say what to remove"),
+    ],
+)
 def test_bad_input_is_one_line(home, args, message):
     r = cache(home, *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr

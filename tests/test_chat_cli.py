@@ -11,8 +11,12 @@ EXE = shutil.which("m2r2-chat")
 @pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_one_shot_answer_and_summary():
-    r = subprocess.run([EXE, "--prompt", "What is the capital of France?", "--max-tokens", "30"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [EXE, "--prompt", "What is the capital of France?", "--max-tokens", "30"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     summary = r.stderr.strip().splitlines()[-1]
@@ -31,10 +35,12 @@ def test_draft_and_verify_modes_answer_like_plain():
     q = ["--prompt", "Name three primary colors.", "--max-tokens", "40"]
     plain = subprocess.run([EXE, *q], capture_output=True, text=True, timeout=600)
     fast_alone = ["--drafter", "fast", "--policy", "always", "--gate", "24", "--draft", "3"]
-    for mode, extra, exit_mark in [("speculative", fast_alone, "L24x"),
-                                   ("speculative", [], None),  # the default: lookup and the fast stream, where they pay
-                                   ("layerskip", ["--gate", "24", "--draft", "3"], "L24x"),
-                                   ("lookup", [], "L0x")]:
+    for mode, extra, exit_mark in [
+        ("speculative", fast_alone, "L24x"),
+        ("speculative", [], None),  # the default: lookup and the fast stream, where they pay
+        ("layerskip", ["--gate", "24", "--draft", "3"], "L24x"),
+        ("lookup", [], "L0x"),
+    ]:
         spec = subprocess.run([EXE, *q, "--mode", mode, *extra], capture_output=True, text=True, timeout=600)
         assert plain.returncode == spec.returncode == 0, spec.stderr
         assert spec.stdout == plain.stdout, mode  # lossless
@@ -42,16 +48,19 @@ def test_draft_and_verify_modes_answer_like_plain():
 
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
-@pytest.mark.parametrize("extra, message", [
-    (["--gate", "7"], "not one of the adapters' gates"),
-    (["--threshold", "2"], "--threshold must be in [0, 1]"),
-    (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
-    (["--draft", "0"], "--draft must be at least 1"),
-    (["--threshold", "nan"], "--threshold must be in [0, 1]"),
-    (["--tree-width", "9"], "--tree-width must be in 1..8"),
-    (["--policy", "sometimes"], "--policy must be one of"),
-    (["--adapters", "/no/such/dir"], "not found"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gate", "7"], "not one of the adapters' gates"),
+        (["--threshold", "2"], "--threshold must be in [0, 1]"),
+        (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
+        (["--draft", "0"], "--draft must be at least 1"),
+        (["--threshold", "nan"], "--threshold must be in [0, 1]"),
+        (["--tree-width", "9"], "--tree-width must be in 1..8"),
+        (["--policy", "sometimes"], "--policy must be one of"),
+        (["--adapters", "/no/such/dir"], "not found"),
+    ],
+)
 def test_speculative_mode_bad_input(extra, message):
     r = subprocess.run(
         [EXE, "--prompt", "hi", "--mode", "speculative", *extra], capture_output=True, text=True, timeout=600

@@ -15,8 +15,13 @@ from bench.specbench import CATEGORIES, SPECBENCH, build_parser
 
 @pytest.mark.slow
 def test_prompt_from_stdin():
-    r = subprocess.run([sys.executable, "-m", "tui.chat", "-p", "-", "-m", "12"],
-                       input="What is the capital of France?", capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tui.chat", "-p", "-", "-m", "12"],
+        input="What is the capital of France?",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "smollm2 | plain" in r.stderr
 

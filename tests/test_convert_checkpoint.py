@@ -36,15 +36,29 @@ from .torch_tiny import tiny_hf  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 GATES = [2, 4]
 RANK, ARLA_DIM = 4, 8
-LLAMA_TARGETS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+LLAMA_TARGETS = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 
 
 def run_cli(module: str, *args, timeout=600) -> subprocess.CompletedProcess:
     """A console script as a user runs it, on this checkout's code."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True, check=False,
-                          env=env, cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
 
 
 def convert(*args) -> subprocess.CompletedProcess:
@@ -93,8 +107,7 @@ def torch_exits(twin, config, module=None):
 def test_transformers_llama_equals_mlx_lm(base):
     _, lm, twin = base
     with torch.no_grad():
-        np.testing.assert_allclose(twin(torch.tensor(IDS)).logits.numpy(), np.array(lm.model(mx.array(IDS))),
-                                   atol=1e-4)
+        np.testing.assert_allclose(twin(torch.tensor(IDS)).logits.numpy(), np.array(lm.model(mx.array(IDS))), atol=1e-4)
 
 
 # ---- own layout: bottleneck adapters + ARLA ---------------------------------------------

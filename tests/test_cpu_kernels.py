@@ -34,7 +34,7 @@ def test_swiglu_values_and_gradients():
 
 def _masks(L, S):
     i, j = mx.arange(L)[:, None], mx.arange(S)[None, :]
-    boolean = mx.concatenate([j[:, : S - L] < i + 0, j[:, : L] == i], axis=1) if S == 2 * L else j <= i + (S - L)
+    boolean = mx.concatenate([j[:, : S - L] < i + 0, j[:, :L] == i], axis=1) if S == 2 * L else j <= i + (S - L)
     return [None, "causal", boolean, mx.where(boolean, 0.0, -1e9).astype(mx.float32)]
 
 

@@ -16,8 +16,7 @@ def test_replay_exits_at_the_first_gate_reaching_its_threshold():
     scores = np.array([[0.9, 0.9], [0.5, 0.95], [0.1, 0.2], [0.7, 0.99]])
     labels = np.array([[True, True], [False, True], [False, False], [False, False]])
     # token 0 leaves at gate 0 (right), 1 at gate 1 (right), 2 runs every layer, 3 leaves at gate 1 (wrong)
-    assert replay(scores, labels, [0.8, 0.9], SAVED_AT) == (
-        (0.8 + 0.4 + 0.0 + 0.4) / 4, 3 / 4)
+    assert replay(scores, labels, [0.8, 0.9], SAVED_AT) == ((0.8 + 0.4 + 0.0 + 0.4) / 4, 3 / 4)
     # an unchecked gate (threshold inf) never exits: token 3 now runs every layer and stays right
     saved, agree = replay(scores, labels, [0.8, np.inf], SAVED_AT)
     assert (saved, agree) == (0.8 / 4, 1.0)

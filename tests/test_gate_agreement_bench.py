@@ -24,8 +24,20 @@ def test_table_adds_the_baseline_column_only_when_measured():
 
 
 def test_missing_rows_file_is_one_clear_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "experiments.gate_agreement", "--rows", str(tmp_path / "nope.npy"),
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.gate_agreement",
+            "--rows",
+            str(tmp_path / "nope.npy"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "nope.npy not found" in r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "gate_agreement.md").exists()
@@ -43,8 +55,11 @@ def test_held_out_rows_of_several_files_each_keep_their_answer_positions(tmp_pat
     mask = rng.random((3, 16)) < 0.5
     np.save(tmp_path / "b.mask.npy", mask)  # only b has a loss mask
     results = held_out_results(m, other, paths, eval_rows=2)
-    assert list(results) == [f"held-out rows of {paths[0]} (2 rows)", f"held-out rows of {paths[1]} (2 rows)",
-                             f"held-out rows of {paths[1]}, answer and text positions only"]
+    assert list(results) == [
+        f"held-out rows of {paths[0]} (2 rows)",
+        f"held-out rows of {paths[1]} (2 rows)",
+        f"held-out rows of {paths[1]}, answer and text positions only",
+    ]
     answers = results[f"held-out rows of {paths[1]}, answer and text positions only"]
     assert answers["tokens"] == mask[:2].sum() and "baseline" in answers
     direct = gate_agreement(m, np.load(paths[1])[:2], mask=mask[:2])["scored"]

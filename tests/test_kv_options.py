@@ -35,8 +35,9 @@ def test_quantized_cache_answers_and_holds_quantized_layers(lm, france_prompt):
 
 @pytest.mark.slow
 def test_rotating_cache_decodes_past_its_size(lm):
-    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a story about a cat."}],
-                                              add_generation_prompt=True)
+    prompt = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a story about a cat."}], add_generation_prompt=True
+    )
     size = len(prompt) + 8
     full, _ = _tokens(lm, prompt, 40)
     bounded, cache = _tokens(lm, prompt, 40, max_kv_size=size)
@@ -54,17 +55,25 @@ def test_chat_turns_with_a_rotating_cache(lm):
 
 
 def _chat(*args):
-    return subprocess.run([sys.executable, "-m", "tui.chat", "-p", "hi", *args], capture_output=True, text=True,
-                          env=dict(os.environ), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tui.chat", "-p", "hi", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--kv-bits", "4", "--mode", "speculative"], "--kv-bits works with --mode plain only"),
-    (["--max-kv-size", "256", "--mode", "early-exit"], "--max-kv-size works with --mode plain only"),
-    (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
-    (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
-    (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-bits", "4", "--mode", "speculative"], "--kv-bits works with --mode plain only"),
+        (["--max-kv-size", "256", "--mode", "early-exit"], "--max-kv-size works with --mode plain only"),
+        (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
+        (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
+        (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
+    ],
+)
 def test_bad_kv_options_are_one_line(args, message):
     r = _chat(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr

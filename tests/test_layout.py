@@ -57,6 +57,7 @@ def test_the_chat_app_and_its_command_line_do_not_import_each_other():
 def test_ruff_passes():
     """Lines of at most 120 characters, imports at the top and sorted (m2r2_mlx before mlx: it preloads the BLAS),
     no unused names (pyproject.toml's [tool.ruff])."""
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]

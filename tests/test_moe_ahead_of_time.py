@@ -75,10 +75,33 @@ EXE = shutil.which("m2r2-bench")
 def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
     out = tmp_path / "out"
-    r = subprocess.run([EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters"),
-                        "--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2",
-                        "--prompt-tokens", "8", "--max-tokens", "6", "--link-gbps", "2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            EXE,
+            "--moe",
+            "--model",
+            str(model),
+            "--adapters",
+            str(tmp_path / "adapters"),
+            "--prompts",
+            str(tmp_path / "eval.npy"),
+            "--budgets",
+            "50,25",
+            "--num-prompts",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "6",
+            "--link-gbps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((out / "moe_bench.json").read_text())
     methods = {(row["method"], row["budget"]) for row in result["rows"]}

@@ -38,8 +38,13 @@ def moe_folder(tmp_path_factory):
 
 def _chat(folder, *extra, home):
     env = dict(os.environ, M2R2_HOME=str(home))
-    return subprocess.run([EXE, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", *extra],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [EXE, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -76,8 +81,18 @@ def test_m2r2_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_p
     m.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), m.parameters()))
     save_adapters(m, tmp_path / "lora")
     full = _chat(moe_folder, home=tmp_path)
-    spec = _chat(moe_folder, "--memory-budget", "50%", "--expert-predictor", "m2r2", "--adapters",
-                 str(tmp_path / "lora"), "--mode", "speculative", home=tmp_path)
+    spec = _chat(
+        moe_folder,
+        "--memory-budget",
+        "50%",
+        "--expert-predictor",
+        "m2r2",
+        "--adapters",
+        str(tmp_path / "lora"),
+        "--mode",
+        "speculative",
+        home=tmp_path,
+    )
     assert spec.returncode == 0, spec.stderr[-1500:]
     assert spec.stdout == full.stdout  # lossless speculative decoding on budgeted experts
 

@@ -34,8 +34,7 @@ DOCS = sorted(str(p) for p in (Path(__file__).parents[1] / "docs").glob("*.md"))
 
 
 def _moefy(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.moe.moefy", *args], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.moe.moefy", *args], capture_output=True, text=True, timeout=600)
     if check:
         assert r.returncode == 0, r.stderr[-2000:]
     return r
@@ -45,8 +44,24 @@ def _moefy(*args, check=True):
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("moefy") / "smollm2-moe-slice"
     # the project's own docs as the corpus: real English prose and code that a fresh clone always has
-    _moefy("-o", str(out), "--layers", str(LAYERS), "--experts", str(EXPERTS), "--top-k", str(TOP_K),
-           "--tokens", "2048", "--heldout-tokens", "512", "--router-steps", "60", "--text", *DOCS)
+    _moefy(
+        "-o",
+        str(out),
+        "--layers",
+        str(LAYERS),
+        "--experts",
+        str(EXPERTS),
+        "--top-k",
+        str(TOP_K),
+        "--tokens",
+        "2048",
+        "--heldout-tokens",
+        "512",
+        "--router-steps",
+        "60",
+        "--text",
+        *DOCS,
+    )
     return out
 
 
@@ -67,8 +82,9 @@ def test_folder_loads_with_mlx_lm_and_routes_top_k(folder):
     model, tokenizer = mlx_lm_load(str(folder))  # mlx-lm's own loader, by model_type
     blocks = moe_blocks(model)
     assert [i for i, _ in blocks] == list(range(LAYERS))
-    assert all(b.top_k == TOP_K and b.switch_mlp.gate_proj.weight.shape == (EXPERTS, 1536 // EXPERTS, 576)
-               for _, b in blocks)
+    assert all(
+        b.top_k == TOP_K and b.switch_mlp.gate_proj.weight.shape == (EXPERTS, 1536 // EXPERTS, 576) for _, b in blocks
+    )
     assert tokenizer.encode("Hello") == load_model("smollm2").tokenizer.encode("Hello")
     record = json.loads((folder / "moefy.json").read_text())
     q = record["quality"]
@@ -98,7 +114,7 @@ def test_balanced_kmeans_groups_coactivating_rows_equally():
     rows = np.repeat(base, 8, axis=0) + 0.01 * rng.normal(size=(32, 64))  # 4 true groups of 8
     assign = balanced_kmeans(rows, 4)
     assert np.bincount(assign).tolist() == [8, 8, 8, 8]
-    assert all(len(set(assign[g * 8: (g + 1) * 8])) == 1 for g in range(4))
+    assert all(len(set(assign[g * 8 : (g + 1) * 8])) == 1 for g in range(4))
 
 
 def _m2r2(lm):
@@ -134,8 +150,11 @@ def test_fused_prediction_plan_for_smollm2_gates():
     assert prediction_plan([(0, 1), (1, 2), (2, 3)], 4, [0, 1, 2, 3]) == {1: [1, 2], 2: [3]}
     # the packaged adapters' gates 6/12/18/24 on 30 layers: a whole interval of lead from the second exit on
     intervals = [(0, 6), (6, 12), (12, 18), (18, 24)]
-    assert prediction_plan(intervals, 30, list(range(30))) == {6: list(range(6, 18)), 12: list(range(18, 24)),
-                                                               18: list(range(24, 30))}
+    assert prediction_plan(intervals, 30, list(range(30))) == {
+        6: list(range(6, 18)),
+        12: list(range(18, 24)),
+        18: list(range(24, 30)),
+    }
 
 
 @pytest.mark.slow
@@ -161,8 +180,12 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
     with pytest.raises(M2R2Error, match="truncated or altered"):
         ExpertStore.open(damaged)
 
-    for args, says in [(["--experts", "7"], "does not divide"), (["--top-k", "17"], "--top-k between"),
-                       ([], "already exists"), (["--text", str(tmp_path / "nope.txt")], "not found; check --text")]:
+    for args, says in [
+        (["--experts", "7"], "does not divide"),
+        (["--top-k", "17"], "--top-k between"),
+        ([], "already exists"),
+        (["--text", str(tmp_path / "nope.txt")], "not found; check --text"),
+    ]:
         out = folder if not args else tmp_path / "never"
         r = _moefy("-o", str(out), "--layers", "1", *args, check=False)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
@@ -172,7 +195,8 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
 
 @pytest.mark.skipif(shutil.which("m2r2-bench") is None, reason="package not installed (pip install -e .)")
 def test_bench_unknown_profile_is_one_line():
-    r = subprocess.run([shutil.which("m2r2-bench"), "--moe", "--profile", "laptop"], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [shutil.which("m2r2-bench"), "--moe", "--profile", "laptop"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode != 0 and "unknown device profile 'laptop'" in r.stderr and "pcie-gpu" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

@@ -52,8 +52,13 @@ def test_truncated_safetensors(tmp_path, lm):
 
 
 def _cli(*args, **env):
-    return subprocess.run([sys.executable, "-m", "tui.chat", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tui.chat", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
 
 
 def test_hub_alias_offline_is_one_line(tmp_path):
@@ -64,12 +69,15 @@ def test_hub_alias_offline_is_one_line(tmp_path):
     assert "'phi3'" in lines[0] and "microsoft/Phi-3-mini-4k-instruct" in lines[0] and str(tmp_path / "hf") in lines[0]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "nosuch"], "unknown model"),
-    (["--model", "./no/such/folder"], "not found"),
-    (["--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
-    (["--temp", "-1", "--prompt", "x"], "--temp"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nosuch"], "unknown model"),
+        (["--model", "./no/such/folder"], "not found"),
+        (["--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
+        (["--temp", "-1", "--prompt", "x"], "--temp"),
+    ],
+)
 def test_cli_bad_input_is_one_line(args, message):
     r = _cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr

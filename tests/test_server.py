@@ -23,8 +23,14 @@ from server.worker import ModelWorker
 
 openai = pytest.importorskip("openai")
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
-             "Give me a word that rhymes with cat.", "What color is the sky?", "Name a large animal."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Give me a word that rhymes with cat.",
+    "What color is the sky?",
+    "Name a large animal.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +53,9 @@ def _client(srv):
 
 
 def _ask(client, question, **extra):
-    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                       extra_body=extra or None)
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}], extra_body=extra or None
+    )
     return r.choices[0].message.content
 
 
@@ -64,8 +71,9 @@ def _post(srv, path, body, raw: bytes | None = None):
 def test_models_and_a_plain_answer_with_usage(server):
     client = _client(server)
     assert [m.id for m in client.models.list().data] == ["smollm2"]
-    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
-                                       max_tokens=20)
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=20
+    )
     assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
     u = r.usage
     assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 20
@@ -80,13 +88,21 @@ def test_every_mode_per_request_and_lossless_ones_agree(server):
     question = "Explain in two sentences why the sky is blue."
     plain = _ask(client, question, max_tokens=40)
     for mode in ("speculative", "layerskip", "lookup"):
-        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                           max_tokens=40, extra_body={"mode": mode, "draft": 3})
+        r = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=40,
+            extra_body={"mode": mode, "draft": 3},
+        )
         assert r.choices[0].message.content == plain, mode
         assert r.usage.mode == mode
         assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
-    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                       max_tokens=40, extra_body={"mode": "early-exit", "tau": 0.3})
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=40,
+        extra_body={"mode": "early-exit", "tau": 0.3},
+    )
     assert r.usage.mode == "early-exit" and r.usage.layers_skipped > 0  # tau 0.3 exits early often
     assert set(r.usage.exit_layers) - {"30"}
 
@@ -105,8 +121,13 @@ def test_streamed_text_equals_the_whole_answer(server):
     client = _client(server)
     whole = _ask(client, QUESTIONS[1], max_tokens=30)
     stream = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=30, stream=True,
-        stream_options={"include_usage": True}, extra_body={"mode": "speculative"})
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTIONS[1]}],
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"mode": "speculative"},
+    )
     pieces, usage, finish = [], None, None
     for c in stream:
         if c.usage:
@@ -140,10 +161,12 @@ def test_sampler_fields_pass_through(server):
     # a context of one token penalises only the token just emitted: another answer
     assert _ask(client, COOK, max_tokens=40, repeat_penalty=1.1, repeat_last_n=1) != penalised
     # sampling at temperature 1 that keeps only the most likely token is greedy decoding
-    assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, top_k=1, seed=3) == \
-        _ask(client, QUESTIONS[1], max_tokens=16)
-    assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, min_p=1.0, seed=3) == \
-        _ask(client, QUESTIONS[1], max_tokens=16)
+    assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, top_k=1, seed=3) == _ask(
+        client, QUESTIONS[1], max_tokens=16
+    )
+    assert _ask(client, QUESTIONS[1], max_tokens=16, temperature=1.0, min_p=1.0, seed=3) == _ask(
+        client, QUESTIONS[1], max_tokens=16
+    )
 
 
 @pytest.mark.slow
@@ -156,19 +179,25 @@ def test_speculative_with_a_repetition_penalty_is_lossless(server):
 BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
-     "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400,
-     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "mode": "warp"}, 400, "mode"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]}, 400, "stop"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "mode": "speculative", "gate": 7},
-     400, None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "mode": "speculative", "gate": 7},
+        400,
+        None,
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_p": 2}, 400, "min_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repeat_penalty": 0}, 400,
-     "repeat_penalty"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "repeat_penalty": 0},
+        400,
+        "repeat_penalty",
+    ),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 9000}, 400, None),  # over the model's context
@@ -195,12 +224,18 @@ def test_malformed_json_is_a_400(server):
 def test_client_leaving_mid_stream_cancels_and_the_next_answer_is_right(server):
     client = _client(server)
     reference = _ask(client, QUESTIONS[0], max_tokens=20)
-    body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-            "max_tokens": 400, "stream": True, "mode": "speculative"}
+    body = {
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 400,
+        "stream": True,
+        "mode": "speculative",
+    }
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=300)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     reader = sock.makefile("rb")
     assert b" 200 " in reader.readline()
     events = 0
@@ -232,16 +267,20 @@ REPEAT = "Repeat this sentence exactly three times: The quick brown fox jumps ov
 @pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
-    proc = subprocess.Popen([EXE, "--port", "0", "--mode", "speculative", "--max-tokens", "48"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [EXE, "--port", "0", "--mode", "speculative", "--max-tokens", "48"], stderr=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stderr.readline()
         assert "on http://127.0.0.1:" in line, line
         url = line.strip().rsplit(" ", 1)[-1]
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         stream = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": REPEAT}],
-            stream=True, stream_options={"include_usage": True})
+            model="smollm2",
+            messages=[{"role": "user", "content": REPEAT}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage = "", None
         for c in stream:
             text += "".join(ch.delta.content or "" for ch in c.choices)
@@ -251,8 +290,8 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
         assert usage.drafts_accepted > 0 and usage.tokens_per_step > 1.0  # the repeated sentence is drafted
         assert sum(usage.exit_layers.values()) == usage.completion_tokens
         plain = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": REPEAT}],
-            extra_body={"mode": "plain"})
+            model="smollm2", messages=[{"role": "user", "content": REPEAT}], extra_body={"mode": "plain"}
+        )
         assert plain.choices[0].message.content == text  # lossless
     finally:
         proc.terminate()
@@ -261,10 +300,14 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
 
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_server_mode_without_adapters_fails_before_any_download(tmp_path):
-    r = subprocess.run([EXE, "--model", "phi3", "--mode", "speculative"], capture_output=True, text=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}, timeout=120)
+    r = subprocess.run(
+        [EXE, "--model", "phi3", "--mode", "speculative"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs M2R2 adapters for 'phi3'" in lines[0] and "--adapters" in lines[0]
     assert not (tmp_path / "hf").exists()  # nothing was fetched
-

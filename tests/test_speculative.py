@@ -32,8 +32,11 @@ def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
     for prompt in _prompts(6, seed=gate_index * 10 + max_draft):
         plain = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
         stats = {}
-        spec = list(speculative_generate(model, tok, prompt, LayerDrafter(tiny_m2r2, gate_index), max_tokens=30,
-                                         max_draft=max_draft, stats=stats))
+        spec = list(
+            speculative_generate(
+                model, tok, prompt, LayerDrafter(tiny_m2r2, gate_index), max_tokens=30, max_draft=max_draft, stats=stats
+            )
+        )
         assert [e.token for e in spec] == plain
         assert sum(stats["accepted"]) + 1 == len(spec)  # every token but the prefill's came from a round
         assert all(1 <= a <= max_draft + 1 for a in stats["accepted"])

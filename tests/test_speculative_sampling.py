@@ -61,8 +61,9 @@ def exact_joint(model, s: Sampling) -> np.ndarray:
 def sampled_joint(model, tok, decoder, s: Sampling) -> np.ndarray:
     counts = np.zeros((V, V, V))
     mx.random.seed(2024)
-    options = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                   repetition_penalty=s.repetition_penalty)
+    options = dict(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty
+    )
     for _ in range(N):
         toks = [e.token for e in decoder(PROMPT, max_tokens=4, **options)]
         counts[tuple(toks[:3])] += 1
@@ -86,8 +87,11 @@ def accept_every_draft(logits, tree, s, history=()):  # the bug the test must ca
     return path, sample_from(sampling_probs(logits[path[-1]], s, context))
 
 
-CONFIGS = [Sampling(1.0, 1.0), Sampling(0.8, 0.9), Sampling(1.0, top_k=6, min_p=0.03, repetition_penalty=1.5,
-                                                            repetition_context_size=4)]
+CONFIGS = [
+    Sampling(1.0, 1.0),
+    Sampling(0.8, 0.9),
+    Sampling(1.0, top_k=6, min_p=0.03, repetition_penalty=1.5, repetition_context_size=4),
+]
 
 
 @pytest.mark.slow
@@ -104,11 +108,18 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
         "chain m2r2": chain(model, tok, LayerDrafter(m2r2, 0)),
         "chain m2r2 drop_unsure": chain(model, tok, LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True)),
         "chain lookup": chain(model, tok, PromptLookupDrafter()),
-        "tree lookup+m2r2 width 3": Speculator(model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)],
-                                               max_draft=2, width=3, policy="always"),
-        "tree lookup+m2r2 cost planner": Speculator(model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)],
-                                                    max_draft=2, width=2, policy="cost",
-                                                    priors={"lookup": 0.9, "fast": 0.9}),
+        "tree lookup+m2r2 width 3": Speculator(
+            model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)], max_draft=2, width=3, policy="always"
+        ),
+        "tree lookup+m2r2 cost planner": Speculator(
+            model,
+            tok,
+            [PromptLookupDrafter(), LayerDrafter(m2r2, 0)],
+            max_draft=2,
+            width=2,
+            policy="cost",
+            priors={"lookup": 0.9, "fast": 0.9},
+        ),
     }
     if s.top_k or s.reads_history:  # the new options: the trees carry the weight
         decoders = {k: v for k, v in decoders.items() if k.startswith("tree")}

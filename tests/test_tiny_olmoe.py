@@ -13,8 +13,17 @@ from m2r2_mlx.moe.tiny_olmoe import CONFIG, mlx_weights, moe_losses, torch_model
 from mlx_lm.models import olmoe  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-TINY = dict(CONFIG, vocab_size=97, hidden_size=64, num_hidden_layers=2, intermediate_size=32,
-            num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+TINY = dict(
+    CONFIG,
+    vocab_size=97,
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
 
 
 def _trained_torch(tmp_path, config):
@@ -62,8 +71,19 @@ def test_training_step_lowers_the_loss_on_cpu(tmp_path):
     data.mkdir()
     np.save(data / "train.npy", ids)
     np.save(data / "eval.npy", ids[:500])
-    s = train(data, tmp_path / "out", "cpu", steps=30, batch=8, seq=32, lr=3e-3, seed=0, max_minutes=5,
-              shard_mb=0.05, config=TINY)
+    s = train(
+        data,
+        tmp_path / "out",
+        "cpu",
+        steps=30,
+        batch=8,
+        seq=32,
+        lr=3e-3,
+        seed=0,
+        max_minutes=5,
+        shard_mb=0.05,
+        config=TINY,
+    )
     assert s["log"][-1]["ce"] < s["log"][0]["ce"] - 0.5
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1  # sharded
     assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == TINY["hidden_size"]

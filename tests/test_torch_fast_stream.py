@@ -62,8 +62,9 @@ def test_bottleneck_exit_states_equal_mlx(bases, arch):
     assert_same_states(*pair(bases, arch, adapter_rank=[8, 4], context_feature=True))
 
 
-@pytest.mark.parametrize(("arch", "targets"), [("llama", ["q_proj", "v_proj", "down_proj"]),
-                                               ("phi3", ["qkv_proj", "gate_up_proj"])])
+@pytest.mark.parametrize(
+    ("arch", "targets"), [("llama", ["q_proj", "v_proj", "down_proj"]), ("phi3", ["qkv_proj", "gate_up_proj"])]
+)
 def test_lora_exit_states_equal_mlx(bases, arch, targets):
     m2r2, model = pair(bases, arch, adapter_form="lora", adapter_rank=4, lora_targets=targets, lora_scale=2.0)
     assert_same_states(m2r2, model)

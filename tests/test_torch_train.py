@@ -45,9 +45,31 @@ def base(tmp_path_factory):
 
 def args_for(base, out, *extra, steps=6):
     folder, _, _, rows = base
-    return ["--model", str(folder), "--data", str(rows), "--seq-len", str(SEQ), "--gates", "2,4", "--rank", "4",
-            "--batch-size", "4", "--lr", "1e-2", "--steps", str(steps), "--checkpoint-every", "3", "--eval-rows", "4",
-            "-o", str(out), *map(str, extra)]
+    return [
+        "--model",
+        str(folder),
+        "--data",
+        str(rows),
+        "--seq-len",
+        str(SEQ),
+        "--gates",
+        "2,4",
+        "--rank",
+        "4",
+        "--batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        "3",
+        "--eval-rows",
+        "4",
+        "-o",
+        str(out),
+        *map(str, extra),
+    ]
 
 
 def run(argv):
@@ -62,8 +84,15 @@ def cli(*argv, processes: int = 0):
     """m2r2-train-torch as a user runs it; with ``processes``, under torchrun on this machine (gloo)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)] if processes else []
-    return subprocess.run([sys.executable, *torchrun, "-m", "m2r2_torch.train", *map(str, argv)], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, *torchrun, "-m", "m2r2_torch.train", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +119,9 @@ def test_trained_adapters_convert_to_the_same_exit_logits_in_mlx(base, trained):
     states, _, kv = m2r2.slow_pass(mx.array(ids))
     with torch.no_grad():
         t_states, _, t_kv = model.slow_pass(torch.tensor(ids))
-        for h, t, t0 in zip(m2r2.fast_states(states, kv), model.fast_states(t_states, t_kv),
-                            fresh.fast_states(t_states, t_kv)):
+        for h, t, t0 in zip(
+            m2r2.fast_states(states, kv), model.fast_states(t_states, t_kv), fresh.fast_states(t_states, t_kv)
+        ):
             got, want = np.array(m2r2.parts.head(h)), model.parts.head(t).numpy()
             assert np.abs(want - fresh.parts.head(t0).numpy()).max() > 1e-3, "training should move the exits"
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -114,9 +144,18 @@ def test_two_gloo_processes_equal_one(base, trained, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 process(es) on cpu" in M2R2Config.load(tmp_path / "two").extra["trainer"]
     two = torch_weights(tmp_path / "two")
-    moved = max((weights[k] - M2R2Adapters.from_config(M2R2Config.load(tmp_path / "two" / "torch"),
-                                                       base[1].model.layers).state_dict()[k]).abs().max().item()
-                for k in weights)
+    moved = max(
+        (
+            weights[k]
+            - M2R2Adapters.from_config(M2R2Config.load(tmp_path / "two" / "torch"), base[1].model.layers).state_dict()[
+                k
+            ]
+        )
+        .abs()
+        .max()
+        .item()
+        for k in weights
+    )
     assert moved > 1e-2
     for k in weights:
         torch.testing.assert_close(two[k], weights[k], atol=DDP_ATOL, rtol=0, msg=k)
@@ -128,20 +167,24 @@ def test_schedule_matches_m2r2_train():
 
     lr, steps, warmup = 2e-3, 300, 20
     mlx_schedule = optim.join_schedules(
-        [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, steps - warmup, lr * 0.05)], [warmup])
+        [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, steps - warmup, lr * 0.05)], [warmup]
+    )
     for step in (0, 5, 19, 20, 21, 150, 299):
         assert lr_at(step, lr, steps) == pytest.approx(mlx_schedule(step).item(), rel=1e-5)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"--model": "no-such-model"}, "unknown model 'no-such-model'"),
-    ({"--gates": "2,9"}, "gates [2, 9] must be increasing layer counts in 1..5"),
-    ({"--train-gates": "3"}, "--train-gates 3 must name gates of the adapters, which are [2, 4]"),
-    ({"--data": "empty"}, "0 training rows of 16 tokens is fewer than one batch; add data"),
-    ({"--data": "text"}, "is not a .npy array of token rows"),
-    ({"--data": "wide"}, "not token ids (N, 16); match --seq-len"),
-    ({"--init": "other-base"}, "were made for base"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--model": "no-such-model"}, "unknown model 'no-such-model'"),
+        ({"--gates": "2,9"}, "gates [2, 9] must be increasing layer counts in 1..5"),
+        ({"--train-gates": "3"}, "--train-gates 3 must name gates of the adapters, which are [2, 4]"),
+        ({"--data": "empty"}, "0 training rows of 16 tokens is fewer than one batch; add data"),
+        ({"--data": "text"}, "is not a .npy array of token rows"),
+        ({"--data": "wide"}, "not token ids (N, 16); match --seq-len"),
+        ({"--init": "other-base"}, "were made for base"),
+    ],
+)
 def test_bad_input_is_one_error_and_writes_nothing(base, trained, tmp_path, change, message):
     argv = args_for(base, tmp_path / "out")
     data = {"empty": np.zeros((0, SEQ), np.int32), "wide": np.zeros((8, SEQ + 1), np.int32)}
@@ -184,18 +227,27 @@ def test_existing_output_needs_force_one_line(base, tmp_path):
     (out / "mine.txt").write_text("keep me")
     r = cli(*args_for(base, out))
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [f"m2r2-train-torch: error: {out} already exists; choose another folder "
-                                             "or pass --force"]
+    assert r.stderr.strip().splitlines() == [
+        f"m2r2-train-torch: error: {out} already exists; choose another folder or pass --force"
+    ]
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
 
 
 def test_the_pytorch_side_imports_without_mlx():
     """A GPU machine has torch and transformers but no mlx: the trainer, the job's tools and the GGUF importer load."""
-    code = ("import sys; sys.modules.update({'mlx': None, 'mlx.core': None, 'mlx_lm': None}); "
-            "import m2r2_torch.train, m2r2_torch.magpie, m2r2_torch.parts, m2r2_mlx.models.gguf_import; "
-            "from m2r2_torch.base import resolve_base; print(resolve_base.__name__)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    code = (
+        "import sys; sys.modules.update({'mlx': None, 'mlx.core': None, 'mlx_lm': None}); "
+        "import m2r2_torch.train, m2r2_torch.magpie, m2r2_torch.parts, m2r2_mlx.models.gguf_import; "
+        "from m2r2_torch.base import resolve_base; print(resolve_base.__name__)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -205,16 +257,29 @@ def test_without_mlx_the_checkpoint_converts_here(base, tmp_path):
     then gives an adapters folder that loads for the base."""
     _, _, lm, _ = base
     argv = args_for(base, tmp_path / "gpu", steps=2)
-    code = ("import sys; sys.modules.update({'mlx': None, 'mlx.core': None, 'mlx_lm': None}); "
-            f"sys.argv = ['m2r2-train-torch', *{argv!r}]; from m2r2_torch.train import main; main()")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    code = (
+        "import sys; sys.modules.update({'mlx': None, 'mlx.core': None, 'mlx_lm': None}); "
+        f"sys.argv = ['m2r2-train-torch', *{argv!r}]; from m2r2_torch.train import main; main()"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "so no MLX folder); convert it where mlx is: m2r2-convert" in r.stderr
     assert not (tmp_path / "gpu" / "m2r2_config.json").exists()
     assert (tmp_path / "gpu" / "torch" / "draft_vocab.json").is_file()
-    c = subprocess.run([sys.executable, "-m", "convert.cli", tmp_path / "gpu" / "torch", "--base", base[0], "-o",
-                        tmp_path / "mlx"], capture_output=True, text=True, cwd=ROOT, check=False,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    c = subprocess.run(
+        [sys.executable, "-m", "convert.cli", tmp_path / "gpu" / "torch", "--base", base[0], "-o", tmp_path / "mlx"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert c.returncode == 0, c.stderr
     assert load_adapters(lm, tmp_path / "mlx").config.extra["recipe"]["steps"] == 2

@@ -92,8 +92,9 @@ def engines(m2r2, tok):
     return {
         "width 3, always": Speculator(model, tok, [LayerDrafter(m2r2, 1)], max_draft=5, width=3, policy="always"),
         "hybrid, always": Speculator(model, tok, both(), max_draft=6, width=2, policy="always"),
-        "hybrid, cost": Speculator(model, tok, both(), max_draft=8, width=3, policy="cost",
-                                   priors={"lookup": 0.9, "fast": 0.9}),
+        "hybrid, cost": Speculator(
+            model, tok, both(), max_draft=8, width=3, policy="cost", priors={"lookup": 0.9, "fast": 0.9}
+        ),
     }
 
 
@@ -184,16 +185,19 @@ def test_acceptance_learns_and_forgets():
     assert acc.optimistic("fast", 1) > acc.rate("fast", 1) + 0.1  # unused: uncertain again, so tried again
 
 
-@pytest.mark.parametrize("options, says", [
-    (dict(max_draft=0), "at least 1"),
-    (dict(threshold=float("nan")), "[0, 1]"),
-    (dict(threshold=-0.1), "[0, 1]"),
-    (dict(width=0), "tree width"),
-    (dict(width=99), "tree width"),
-    (dict(gate=5), "not one of the adapters' gates"),
-    (dict(drafter="magic"), "unknown drafter"),
-    (dict(policy="sometimes"), "unknown drafting policy"),
-])
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        (dict(max_draft=0), "at least 1"),
+        (dict(threshold=float("nan")), "[0, 1]"),
+        (dict(threshold=-0.1), "[0, 1]"),
+        (dict(width=0), "tree width"),
+        (dict(width=99), "tree width"),
+        (dict(gate=5), "not one of the adapters' gates"),
+        (dict(drafter="magic"), "unknown drafter"),
+        (dict(policy="sometimes"), "unknown drafting policy"),
+    ],
+)
 def test_bad_speculative_options_are_one_line(lm, options, says):
     with pytest.raises(M2R2Error, match=None) as e:
         make_decoder(lm, "speculative", **options)

@@ -8,11 +8,17 @@ import m2r2_mlx
 import pytest
 
 
-@pytest.mark.parametrize("prog, module", [
-    ("m2r2-chat", "tui.chat"), ("m2r2-server", "server.cli"), ("m2r2-bench", "bench.specbench"),
-    ("m2r2-convert", "convert.cli"), ("m2r2-train", "m2r2_mlx.training.train"),
-    ("m2r2-cache", "m2r2_mlx.models.cache_cli"),
-])
+@pytest.mark.parametrize(
+    "prog, module",
+    [
+        ("m2r2-chat", "tui.chat"),
+        ("m2r2-server", "server.cli"),
+        ("m2r2-bench", "bench.specbench"),
+        ("m2r2-convert", "convert.cli"),
+        ("m2r2-train", "m2r2_mlx.training.train"),
+        ("m2r2-cache", "m2r2_mlx.models.cache_cli"),
+    ],
+)
 def test_version(prog, module):
     r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == f"{prog} {m2r2_mlx.__version__}", r.stderr

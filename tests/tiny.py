@@ -11,9 +11,17 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-COMMON = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=96, num_attention_heads=4,
-              num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=101, rope_theta=10000.0,
-              max_position_embeddings=256)
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=6,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=101,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
 
 CONFIGS = {
     "llama": dict(COMMON, model_type="llama", tie_word_embeddings=True),

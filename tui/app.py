@@ -214,9 +214,12 @@ class ChatApp(App):
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
             f"tokens         {s.tokens:8d}\n"
             f"accepted/step  {accepted:8.2f}\n"
-            + (f"drafting {('off' if s.plan == 'plain' else s.plan)[:20]:>20s}\n"
-               f"drafts   {s.drafts_line()[:20]:>20s}\n" if s.plan else "") +
-            f"layers skipped {100 * s.layers_skipped:7.0f}%\n"
+            + (
+                f"drafting {('off' if s.plan == 'plain' else s.plan)[:20]:>20s}\ndrafts   {s.drafts_line()[:20]:>20s}\n"
+                if s.plan
+                else ""
+            )
+            + f"layers skipped {100 * s.layers_skipped:7.0f}%\n"
             f"peak memory    {s.peak_memory_gb:6.2f} GB\n"
             f"prefill        {s.prefill_tokens:>4d}/{s.prompt_tokens:<4d}\n"
             f"BLAS           {blas_info().name:>8s}" + self._expert_lines()

@@ -1,10 +1,10 @@
 """m2r2-chat: chat with a model in the terminal, or print one answer with --prompt.
 
-    m2r2-chat                                   # Textual chat on the embedded SmolLM2-135M
-    m2r2-chat --model phi3                      # a hub model by alias (downloaded once)
-    m2r2-chat --prompt "What is the capital of France?"   # one answer, no UI
-    echo "What is the capital of France?" | m2r2-chat -p -  # the prompt from stdin
-    m2r2-chat --adapters owner/repo --mode speculative  # Hub adapters; their base model is the model
+m2r2-chat                                   # Textual chat on the embedded SmolLM2-135M
+m2r2-chat --model phi3                      # a hub model by alias (downloaded once)
+m2r2-chat --prompt "What is the capital of France?"   # one answer, no UI
+echo "What is the capital of France?" | m2r2-chat -p -  # the prompt from stdin
+m2r2-chat --adapters owner/repo --mode speculative  # Hub adapters; their base model is the model
 """
 
 from __future__ import annotations

@@ -27,7 +27,13 @@ def make_session(args: argparse.Namespace, lm):
     # the budget after the decoder: the M2R2 predictor wraps the layers, which would rename the projections
     # LoRA adapters attach to
     if args.memory_budget is not None:
-        expert_cache = serve_with_budget(lm, args.memory_budget, predictor=args.expert_predictor,
-                                         adapters=args.adapters, link_gbps=args.link_gbps)
-    return ChatSession(lm, system_prompt=args.system_prompt, decoder=decoder, expert_cache=expert_cache,
-                       **options.cache_options(vars(args)))
+        expert_cache = serve_with_budget(
+            lm, args.memory_budget, predictor=args.expert_predictor, adapters=args.adapters, link_gbps=args.link_gbps
+        )
+    return ChatSession(
+        lm,
+        system_prompt=args.system_prompt,
+        decoder=decoder,
+        expert_cache=expert_cache,
+        **options.cache_options(vars(args)),
+    )

@@ -20,12 +20,27 @@ def config_for_base(lm, gates: list[int], **fields) -> M2R2Config:
     """An M2R2Config for a loaded base model, which it records (name and config hash) so that
     load_adapters can refuse another base; ``fields`` are the other M2R2Config fields."""
     parts = BaseParts(lm.model)
-    return M2R2Config(gates=gates, num_layers=parts.num_layers, hidden_size=parts.hidden_size,
-                      base_model=str(lm.name), base_config_hash=config_hash(lm.config), **fields)
+    return M2R2Config(
+        gates=gates,
+        num_layers=parts.num_layers,
+        hidden_size=parts.hidden_size,
+        base_model=str(lm.name),
+        base_config_hash=config_hash(lm.config),
+        **fields,
+    )
 
 
-def new_m2r2(lm, gates: list[int] | None = None, every: int = 6, rank: int = 64, arla_dim: int = 64, *,
-             arla: bool = False, lora_targets: list[str] | None = None, lora_scale: float = 1.0) -> M2R2Model:
+def new_m2r2(
+    lm,
+    gates: list[int] | None = None,
+    every: int = 6,
+    rank: int = 64,
+    arla_dim: int = 64,
+    *,
+    arla: bool = False,
+    lora_targets: list[str] | None = None,
+    lora_scale: float = 1.0,
+) -> M2R2Model:
     """Fresh (zero-initialised) adapters for a loaded base model: parallel bottlenecks, or LoRA
     deltas on the projections named in ``lora_targets``; ARLA weights too if ``arla``."""
     gates = gates or even_gates(len(lm.model.layers), every)

@@ -151,8 +151,9 @@ class M2R2Model(nn.Module):
         fast = config.gates[-1]  # the fast stream runs layers 0..fast-1
         if config.adapter_form == "lora":
             self.adapters = []
-            self.lora = new_lora_deltas(self.parts.layers[:fast], config.lora_targets, config.adapter_rank,
-                                        config.lora_scale)
+            self.lora = new_lora_deltas(
+                self.parts.layers[:fast], config.lora_targets, config.adapter_rank, config.lora_scale
+            )
             self.lora_switch = LoRASwitch(self.parts.layers, self.lora)
         else:
             self.adapters = [BottleneckAdapter(config.hidden_size, r) for r in config.layer_ranks()]

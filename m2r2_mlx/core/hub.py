@@ -48,8 +48,9 @@ def resolve_adapters(name: str | Path) -> Path:
     return folder
 
 
-def resolve_model_and_adapters(model: str | None, adapters: str | Path | None, mode: str = "plain"
-                               ) -> tuple[str, Path | None]:
+def resolve_model_and_adapters(
+    model: str | None, adapters: str | Path | None, mode: str = "plain"
+) -> tuple[str, Path | None]:
     """The model and adapters folder a command will use, decided from names alone (no model is downloaded):
     given adapters (a folder or a Hub repo) name their base, which is the model when none is given; otherwise
     the packaged adapters for the model, if any. A mode that needs adapters fails here when there are none."""
@@ -86,8 +87,15 @@ def model_card(cfg: M2R2Config, repo_id: str) -> str:
     )
 
 
-def upload_adapters(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
-                    endpoint: str | None = None, message: str | None = None) -> str:
+def upload_adapters(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    endpoint: str | None = None,
+    message: str | None = None,
+) -> str:
     """Upload an adapters folder's decoding files (and a model card, unless it has its own README.md) to a Hub
     model repo, created if needed, in one commit; returns the repo's URL. ``endpoint``: another Hub than the one
     HF_ENDPOINT names."""
@@ -97,8 +105,11 @@ def upload_adapters(folder: str | Path, repo_id: str, *, private: bool = False, 
         raise M2R2Error(f"{repo_id!r} is not a Hub repo id; name the repo as owner/name")
     base = cfg.base_model
     if not base or not (base.lower() in ALIASES or is_repo_id(base)):
-        print(f"note: these adapters name their base as {base!r}, which others cannot resolve; they will need "
-              "--model beside --adapters (set base_model in m2r2_config.json to a Hub repo id)", file=sys.stderr)
+        print(
+            f"note: these adapters name their base as {base!r}, which others cannot resolve; they will need "
+            "--model beside --adapters (set base_model in m2r2_config.json to a Hub repo id)",
+            file=sys.stderr,
+        )
     ops = [CommitOperationAdd(name, str(folder / name)) for name in ADAPTER_FILES if (folder / name).is_file()]
     card = folder / CARD
     ops.append(CommitOperationAdd(CARD, str(card) if card.is_file() else io.BytesIO(model_card(cfg, repo_id).encode())))

@@ -18,8 +18,15 @@ from .generate import PromptCache, TokenEvent, check_context, generate
 class ChatSession:
     """Chat history + prompt cache: each turn prefills only what the cache lacks."""
 
-    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, decoder=None, expert_cache=None,
-                 max_kv_size: int | None = None, kv_bits: int | None = None):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        system_prompt: str | None = None,
+        decoder=None,
+        expert_cache=None,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+    ):
         self.lm = lm
         self.expert_cache = expert_cache  # MoE models served within a memory budget (m2r2_mlx.moe)
         self.decode = decoder or partial(generate, lm.model, lm.tokenizer)
@@ -90,8 +97,12 @@ class ChatSession:
         try:
             data = json.loads(path.read_text())
             messages = data["messages"]
-            ok = all(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                     and isinstance(m.get("content"), str) for m in messages)
+            ok = all(
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
         except FileNotFoundError:
             raise M2R2Error(f"conversation file {path} not found") from None
         except (ValueError, KeyError, TypeError):

@@ -41,8 +41,10 @@ def adapters_folder(lm, adapters: str | Path | None = None, mode: str = "this mo
     there are none (commands check this before loading the model: hub.resolve_model_and_adapters)."""
     folder = resolve_adapters(adapters) if adapters else packaged_adapters(lm.name)
     if folder is None:
-        raise M2R2Error(f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR or a Hub repo id "
-                        "(train them with m2r2-train)")
+        raise M2R2Error(
+            f"{mode} needs M2R2 adapters for {lm.name!r}; pass --adapters DIR or a Hub repo id "
+            "(train them with m2r2-train)"
+        )
     return folder
 
 
@@ -50,8 +52,16 @@ def load_m2r2(lm, adapters: str | Path | None = None, mode: str = "this mode"):
     return load_adapters(lm, adapters_folder(lm, adapters, mode))
 
 
-def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, threshold: float = DEFAULT_THRESHOLD,
-                 draft_vocab: int | None = None, drop_unsure: bool = False):
+def make_drafter(
+    lm,
+    mode: str,
+    adapters=None,
+    *,
+    gate: int | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    draft_vocab: int | None = None,
+    drop_unsure: bool = False,
+):
     """``draft_vocab``: None = the default size where the adapters have a draft_vocab.json, 0 = the full head;
     ``drop_unsure``: drop the draft that fell below ``threshold`` instead of verifying it."""
     if mode == "lookup":
@@ -76,8 +86,14 @@ def make_drafter(lm, mode: str, adapters=None, *, gate: int | None = None, thres
         if folder is None:
             raise M2R2Error("--draft-vocab needs an adapters folder with draft_vocab.json")
         vocab = load_draft_vocab(folder, draft_vocab)
-    return LayerDrafter(m2r2, m2r2.config.gates.index(gate), threshold=threshold, vocab=vocab,
-                        adapters=mode == "speculative", drop_unsure=drop_unsure)
+    return LayerDrafter(
+        m2r2,
+        m2r2.config.gates.index(gate),
+        threshold=threshold,
+        vocab=vocab,
+        adapters=mode == "speculative",
+        drop_unsure=drop_unsure,
+    )
 
 
 def exit_rule(m2r2):
@@ -104,11 +120,23 @@ def acceptance_priors(drafters) -> dict[str, float]:
     return priors
 
 
-def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
-                 gate: int | None = None, max_draft: int | None = None, threshold: float | None = None,
-                 draft_vocab: int | None = None, drop_unsure: bool = False, tau: float = 0.9,
-                 scaled_tau: bool = True, drafter: str = "hybrid", policy: str | None = None,
-                 width: int | None = None, compile: bool = False) -> Decoder:
+def make_decoder(
+    lm,
+    mode: str = "plain",
+    adapters: str | Path | None = None,
+    *,
+    gate: int | None = None,
+    max_draft: int | None = None,
+    threshold: float | None = None,
+    draft_vocab: int | None = None,
+    drop_unsure: bool = False,
+    tau: float = 0.9,
+    scaled_tau: bool = True,
+    drafter: str = "hybrid",
+    policy: str | None = None,
+    width: int | None = None,
+    compile: bool = False,
+) -> Decoder:
     """A decoder for ``lm``; M2R2 modes load ``adapters`` (default: the packaged ones for the model).
 
     Speculative mode drafts with prompt lookup and the M2R2 fast stream (``drafter="hybrid"``) or the fast stream
@@ -124,15 +152,24 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
     """
     if mode == "plain":
         if compile and any(k in lm.config for k in ("num_experts", "num_local_experts")):
-            raise M2R2Error("--compile serves dense models: an MoE's experts may be swapped under a memory budget "
-                            "while a compiled step would keep the ones it was traced with; drop --compile")
+            raise M2R2Error(
+                "--compile serves dense models: an MoE's experts may be swapped under a memory budget "
+                "while a compiled step would keep the ones it was traced with; drop --compile"
+            )
         return partial(generate, lm.model, lm.tokenizer, compiled=compile)
     if mode not in MODES:
         raise M2R2Error(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mode == "early-exit":
         m2r2 = load_m2r2(lm, adapters, f"mode {mode!r}")
-        decode = partial(early_exit_generate, m2r2, lm.tokenizer, tau=tau, rule=exit_rule(m2r2),
-                         exit_head=m2r2.exit_head, scaled_tau=scaled_tau)
+        decode = partial(
+            early_exit_generate,
+            m2r2,
+            lm.tokenizer,
+            tau=tau,
+            rule=exit_rule(m2r2),
+            exit_head=m2r2.exit_head,
+            scaled_tau=scaled_tau,
+        )
         decode.exit_layers = sorted({*m2r2.config.gates, lm.num_layers})
         return decode
     if drafter not in DRAFTERS:
@@ -146,10 +183,18 @@ def make_decoder(lm, mode: str = "plain", adapters: str | Path | None = None, *,
     if mode == "lookup" or (mode == "speculative" and drafter == "hybrid"):
         drafters.append(PromptLookupDrafter())
     if mode != "lookup":
-        drafters.append(make_drafter(lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab,
-                                     drop_unsure=drop_unsure))
-    engine = Speculator(lm.model, lm.tokenizer, drafters, policy=policy,
-                        max_draft=(COST_DRAFT if cost else DEFAULT_DRAFT) if max_draft is None else max_draft,
-                        width=(COST_WIDTH if cost else 1) if width is None else width,
-                        priors=acceptance_priors(drafters))
+        drafters.append(
+            make_drafter(
+                lm, mode, adapters, gate=gate, threshold=threshold, draft_vocab=draft_vocab, drop_unsure=drop_unsure
+            )
+        )
+    engine = Speculator(
+        lm.model,
+        lm.tokenizer,
+        drafters,
+        policy=policy,
+        max_draft=(COST_DRAFT if cost else DEFAULT_DRAFT) if max_draft is None else max_draft,
+        width=(COST_WIDTH if cost else 1) if width is None else width,
+        priors=acceptance_priors(drafters),
+    )
     return engine

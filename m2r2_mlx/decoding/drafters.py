@@ -23,8 +23,15 @@ from .tree import DraftTree
 
 
 class LayerDrafter:
-    def __init__(self, m2r2, gate_index: int = 0, threshold: float = 0.0, vocab: Sequence[int] | None = None,
-                 adapters: bool = True, drop_unsure: bool = False):
+    def __init__(
+        self,
+        m2r2,
+        gate_index: int = 0,
+        threshold: float = 0.0,
+        vocab: Sequence[int] | None = None,
+        adapters: bool = True,
+        drop_unsure: bool = False,
+    ):
         self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
         self.drop_unsure = drop_unsure
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
@@ -36,8 +43,17 @@ class LayerDrafter:
         # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
         self.keeps_states = adapters and gate_index == 0 and m2r2.config.context_feature
 
-    def propose(self, tree: DraftTree, cache, limit: int, s: Sampling, eos_ids, width: int = 1,
-                go_on: Callable[[int, float], bool] | None = None, after: int = 0) -> int:
+    def propose(
+        self,
+        tree: DraftTree,
+        cache,
+        limit: int,
+        s: Sampling,
+        eos_ids,
+        width: int = 1,
+        go_on: Callable[[int, float], bool] | None = None,
+        after: int = 0,
+    ) -> int:
         """Draft up to ``limit`` tokens after node ``after`` (default the root); returns the draft steps taken.
         ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
         proposals); ``go_on(node, confidence)`` decides whether to draft another token (default: while
@@ -118,7 +134,7 @@ class PromptLookupDrafter:
             for k in range(1, n):
                 starts = starts[ctx[starts + k] == tail[k]]
             for start in starts[::-1]:
-                cont = ctx[start + n: start + n + limit].tolist()
+                cont = ctx[start + n : start + n + limit].tolist()
                 if all(cont[0] != c[0][0] for c in found):
                     found.append((cont, n))
                     if len(found) == width:

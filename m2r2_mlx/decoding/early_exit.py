@@ -34,8 +34,9 @@ from .generate import PromptCache, TokenEvent, start_decoding
 from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs
 
 
-def gate_thresholds(tau: float, exit_layers: Sequence[int], first: int, num_layers: int,
-                    scaled: bool = True) -> list[float]:
+def gate_thresholds(
+    tau: float, exit_layers: Sequence[int], first: int, num_layers: int, scaled: bool = True
+) -> list[float]:
     """The exit threshold at each gate, ``tau`` at the first gate checked (exit layer ``first``).
 
     ``scaled``: a deeper gate asks more, in proportion to the compute it still saves. Exiting at
@@ -58,9 +59,20 @@ def confidence(logits: mx.array, h_exit: mx.array, gate_index: int, trail: list)
 class EarlyExit:
     """Walks one token through the model gate by gate, with deferred KV fill of exited tokens."""
 
-    def __init__(self, m2r2, cache: PromptCache, *, tau: float, source: str = "m2r2", rule: Callable = confidence,
-                 gates: Sequence[int] | None = None, schedule: Callable[[int], int | None] | None = None,
-                 fused: bool = True, exit_head=None, scaled_tau: bool = True):
+    def __init__(
+        self,
+        m2r2,
+        cache: PromptCache,
+        *,
+        tau: float,
+        source: str = "m2r2",
+        rule: Callable = confidence,
+        gates: Sequence[int] | None = None,
+        schedule: Callable[[int], int | None] | None = None,
+        fused: bool = True,
+        exit_head=None,
+        scaled_tau: bool = True,
+    ):
         self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
         # A check scores the exit over exit_head's vocabulary subset (a SubsetHead; None: the full head):
         # a check that does not exit then costs a fraction of a full head's read.
@@ -117,7 +129,7 @@ class EarlyExit:
 
     def _settle(self, h: mx.array, layer: int) -> None:
         """After a forward that stopped at ``layer``: every token in the chunk is pending from there."""
-        self.pending += [(layer, h[:, i:i + 1]) for i in range(h.shape[1])]  # after those that have not joined yet
+        self.pending += [(layer, h[:, i : i + 1]) for i in range(h.shape[1])]  # after those that have not joined yet
 
     def step(self, token: int, index: int) -> tuple[mx.array, int]:
         """Logits for the token after ``token`` and the layer count that produced them."""
@@ -180,7 +192,8 @@ def early_exit_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    repetition_penalty: float = 1.0, repetition_context_size: int = 20,
+    repetition_penalty: float = 1.0,
+    repetition_context_size: int = 20,
     seed: int | None = None,
     context_length: int | None = None,
     stats: dict | None = None,
@@ -202,10 +215,21 @@ def early_exit_generate(
             return int(mx.argmax(processed_logprobs(logits, s, history)).item())
         return sample_from(sampling_probs(logits, s, history))
 
-    cache, logits, events = start_decoding(m2r2.base, tokenizer, prompt, cache, max_tokens, context_length,
-                                           keep_states=m2r2.config.context_feature)
-    walker = EarlyExit(m2r2, cache, tau=tau, source=source, rule=rule, gates=gates, schedule=schedule, fused=fused,
-                       exit_head=exit_head, scaled_tau=scaled_tau)
+    cache, logits, events = start_decoding(
+        m2r2.base, tokenizer, prompt, cache, max_tokens, context_length, keep_states=m2r2.config.context_feature
+    )
+    walker = EarlyExit(
+        m2r2,
+        cache,
+        tau=tau,
+        source=source,
+        rule=rule,
+        gates=gates,
+        schedule=schedule,
+        fused=fused,
+        exit_head=exit_head,
+        scaled_tau=scaled_tau,
+    )
     exit_layer = walker.L
     try:
         while True:

@@ -135,8 +135,9 @@ class PromptCache:
         self._tokens.extend(tree.tokens)
         parts = self.parts
         with tree_positions(parts.layers, tree.depths):
-            h = parts.run_layers(parts.embed(mx.array(tree.tokens)[None]), 0, parts.num_layers, tree.mask(offset),
-                                 self.layers)
+            h = parts.run_layers(
+                parts.embed(mx.array(tree.tokens)[None]), 0, parts.num_layers, tree.mask(offset), self.layers
+            )
         self.states = h[0] if self.keep_states else None
         return parts.head(h)[0]
 
@@ -204,8 +205,14 @@ class EventStream:
     def done(self) -> bool:
         return self.n >= self.max_tokens
 
-    def event(self, token: int, exit_layer: int | None = None, drafted: bool = False, source: str | None = None,
-              plan: str = "") -> TokenEvent:
+    def event(
+        self,
+        token: int,
+        exit_layer: int | None = None,
+        drafted: bool = False,
+        source: str | None = None,
+        plan: str = "",
+    ) -> TokenEvent:
         now = time.perf_counter()
         if self.n == 0:
             self.prompt_time, self.first, self.last = now - self.tic, now, now
@@ -345,7 +352,8 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    repetition_penalty: float = 1.0, repetition_context_size: int = 20,
+    repetition_penalty: float = 1.0,
+    repetition_context_size: int = 20,
     seed: int | None = None,
     context_length: int | None = None,
     compiled: bool = False,

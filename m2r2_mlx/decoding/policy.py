@@ -93,7 +93,8 @@ class StepCosts:
         mx = sum(w * x for w, x in zip(ws, xs)) / total
         my = sum(w * y for w, y in zip(ws, ys)) / total
         slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / max(
-            sum(w * (x - mx) ** 2 for w, x in zip(ws, xs)), 1e-12)
+            sum(w * (x - mx) ** 2 for w, x in zip(ws, xs)), 1e-12
+        )
         return max(my + max(slope, 0.0) * (n - mx), 1e-6)
 
     def verify_cost(self, n: int) -> float:
@@ -185,8 +186,9 @@ class Planner:
         verifying one more position costs little, and a proposal never verified would never be learnt about."""
         pi = [1.0]
         for node in range(1, len(tree)):
-            rate = max(self.acceptance.optimistic(k, tree.depths[node], tree.signal.get((k, node)))
-                       for k in tree.sources[node])
+            rate = max(
+                self.acceptance.optimistic(k, tree.depths[node], tree.signal.get((k, node))) for k in tree.sources[node]
+            )
             pi.append(pi[tree.parents[node]] * rate)
         return pi
 
@@ -225,9 +227,11 @@ class Planner:
     def go_on(self, tree: DraftTree, kind: str):
         """For LayerDrafter.propose: after a draft step proposed ``node``, whether another is expected to pay (on
         the rate the draft's probability gives its node, and the next depth's overall rate)."""
+
         def decide(node: int, confidence: float) -> bool:
             chosen, tokens, seconds = self.select(tree)
             pi = self.reach(tree)[node] * self.acceptance.optimistic(kind, tree.depths[node] + 1)
             extra = self.costs.draft_cost() + self.costs.extra(len(chosen))
             return pi * seconds > tokens * extra
+
         return decide

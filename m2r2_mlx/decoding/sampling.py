@@ -35,8 +35,10 @@ class Sampling:
             (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top-k must be 0 (off) or a positive count"),
             (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-             "repetition penalty must be positive (1 = off)"),
+            (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "repetition penalty must be positive (1 = off)",
+            ),
             (self.repetition_context_size >= 1, "the repetition context must hold at least 1 token"),
         ]
         for ok, why in checks:
@@ -56,13 +58,15 @@ class Sampling:
         """mlx-lm's logits processors for these options: what plain decoding applies to the raw logits."""
         if not self.reads_history:
             return []
-        return make_logits_processors(repetition_penalty=self.repetition_penalty,
-                                      repetition_context_size=self.repetition_context_size)
+        return make_logits_processors(
+            repetition_penalty=self.repetition_penalty, repetition_context_size=self.repetition_context_size
+        )
 
     def sampler(self):
         """mlx-lm's sampler for these options (argmax when greedy)."""
-        return make_sampler(temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, min_p=self.min_p,
-                            top_k=self.top_k)
+        return make_sampler(
+            temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0, min_p=self.min_p, top_k=self.top_k
+        )
 
 
 class NextToken:
@@ -71,12 +75,12 @@ class NextToken:
 
     def __init__(self, s: Sampling, history: Sequence[int]):
         self.sampler, self.processors, self.size = s.sampler(), s.processors(), s.repetition_context_size
-        self.history = mx.array(list(history)[-self.size:], mx.int32) if self.processors else None
+        self.history = mx.array(list(history)[-self.size :], mx.int32) if self.processors else None
 
     def feed(self, token: mx.array) -> None:
         """``token`` (shape (1,), possibly not yet evaluated) joins the sequence."""
         if self.processors:
-            self.history = mx.concatenate([self.history, token.astype(mx.int32)])[-self.size:]
+            self.history = mx.concatenate([self.history, token.astype(mx.int32)])[-self.size :]
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The token after the sequence, from its logits (V,)."""
@@ -91,7 +95,7 @@ def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | m
     is ``history`` (only read with a repetition penalty); ``logits`` (V,) or (1, V)."""
     x = logits.astype(mx.float32).reshape(1, -1)
     if s.reads_history and len(history):
-        tokens = history if isinstance(history, mx.array) else mx.array(list(history)[-s.repetition_context_size:])
+        tokens = history if isinstance(history, mx.array) else mx.array(list(history)[-s.repetition_context_size :])
         for process in s.processors():
             x = process(tokens, x)
     return (x - mx.logsumexp(x, axis=-1, keepdims=True))[0]
@@ -121,8 +125,9 @@ def sample_from(probs: mx.array) -> int:
     return int(mx.random.categorical(mx.log(probs)).item())
 
 
-def verify(logits: mx.array, drafts: list[int], q: mx.array | None, s: Sampling,
-           history: Sequence[int] = ()) -> tuple[int, int]:
+def verify(
+    logits: mx.array, drafts: list[int], q: mx.array | None, s: Sampling, history: Sequence[int] = ()
+) -> tuple[int, int]:
     """How many of a chain of drafts the full model accepts, and the token it emits after them (``verify_tree``
     on a chain). ``logits`` (K+1, vocab) are the full model's on [y, d_1..d_K]; ``q`` (K, vocab) holds the
     distributions the drafts were sampled from, None for deterministic drafts; ``history``: the sequence up to
@@ -147,8 +152,9 @@ def verify_tree(logits: mx.array, tree: DraftTree, s: Sampling, history: Sequenc
     """
     history = list(history)
     node, path = 0, [0]
-    batch = None if s.reads_history else (mx.argmax(logits, axis=-1).tolist() if s.greedy
-                                          else sampling_probs(logits, s))
+    batch = (
+        None if s.reads_history else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
+    )
     while True:
         context = history + [tree.tokens[i] for i in path]
         if s.greedy:

@@ -36,8 +36,18 @@ class Speculator:
     """Draft-and-verify decoding over ``model`` with one or two drafters (prompt lookup and/or a layer drafter).
     One instance serves a whole conversation: the costs and acceptance rates it has learnt carry over."""
 
-    def __init__(self, model, tokenizer, drafters: Sequence, *, max_draft: int = 8, width: int = 1,
-                 policy: str = "cost", priors: dict[str, float] | None = None, plain_stretches: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafters: Sequence,
+        *,
+        max_draft: int = 8,
+        width: int = 1,
+        policy: str = "cost",
+        priors: dict[str, float] | None = None,
+        plain_stretches: bool = True,
+    ):
         if policy not in POLICIES:
             raise M2R2Error(f"unknown drafting policy {policy!r}; choose one of: {', '.join(POLICIES)}")
         if max_draft < 1:
@@ -49,8 +59,9 @@ class Speculator:
         self.layer = next((d for d in drafters if d.kind != "lookup"), None)
         layers = model.model.layers if hasattr(model, "model") else model.layers
         if width > 1 and not supports_trees(layers):
-            raise M2R2Error(f"{type(model).__module__} cannot verify draft trees (no rope on its attention); "
-                            "use tree width 1")
+            raise M2R2Error(
+                f"{type(model).__module__} cannot verify draft trees (no rope on its attention); use tree width 1"
+            )
         self.max_draft, self.width, self.policy = max_draft, width, policy
         self.plain_stretches = plain_stretches  # False: one plain step at a time (the ablation of the stretches)
         self.keeps_states = bool(self.layer and self.layer.keeps_states)
@@ -67,18 +78,30 @@ class Speculator:
     def name(self) -> str:
         return " + ".join(d.name for d in (self.lookup, self.layer) if d is not None)
 
-    def __call__(self, prompt: Sequence[int], *, cache: PromptCache | None = None, max_tokens: int = 256,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, repetition_context_size: int = 20, seed: int | None = None,
-                 context_length: int | None = None,
-                 stats: dict | None = None) -> Iterator[TokenEvent]:
+    def __call__(
+        self,
+        prompt: Sequence[int],
+        *,
+        cache: PromptCache | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: int | None = None,
+        context_length: int | None = None,
+        stats: dict | None = None,
+    ) -> Iterator[TokenEvent]:
         """Decode ``prompt``; ``stats`` (if given) collects tokens per verification step ("accepted") and the
         accepted drafts per drafter ("drafted_by")."""
         s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
         if seed is not None:
             mx.random.seed(seed)
-        cache, logits, events = start_decoding(self.model, self.tokenizer, list(prompt), cache, max_tokens,
-                                               context_length, keep_states=self.keeps_states)
+        cache, logits, events = start_decoding(
+            self.model, self.tokenizer, list(prompt), cache, max_tokens, context_length, keep_states=self.keeps_states
+        )
         history = cache.tokens if s.reads_history else ()
         if s.greedy:
             y = int(mx.argmax(processed_logprobs(logits, s, history)).item())
@@ -170,8 +193,9 @@ class Speculator:
             limit = min(events.max_tokens - events.n - 1, self.max_draft)
             self.costs.context = len(context)
             # the first question was just answered by _draft for this root (its fast-stream drafts priced out)
-            if limit > 0 and (not self.plain_stretches or (not first and self._would_draft(context, limit,
-                                                                                          events.eos_ids))):
+            if limit > 0 and (
+                not self.plain_stretches or (not first and self._would_draft(context, limit, events.eos_ids))
+            ):
                 token = int(pending.item())
                 if not self.plain_stretches:  # the ablation: one plain step, timed as a whole
                     self.costs.observe_verify(1, time.perf_counter() - start)
@@ -219,8 +243,16 @@ class Speculator:
         if not self.planner.fast_pays(tree, anchor, self.layer.kind, room):
             return
         tic = time.perf_counter()
-        steps = self.layer.propose(tree, cache, room, s, eos_ids, self.width if anchor == 0 else 1,
-                                   go_on=self.planner.go_on(tree, self.layer.kind), after=anchor)
+        steps = self.layer.propose(
+            tree,
+            cache,
+            room,
+            s,
+            eos_ids,
+            self.width if anchor == 0 else 1,
+            go_on=self.planner.go_on(tree, self.layer.kind),
+            after=anchor,
+        )
         self.draft_seconds = time.perf_counter() - tic
         self.costs.observe_draft(self.draft_seconds / max(steps, 1))
 
@@ -255,8 +287,17 @@ class Speculator:
         return " + ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
-def speculative_generate(model, tokenizer, prompt: Sequence[int], drafter, *, max_draft: int = 6, width: int = 1,
-                         policy: str = "always", **options) -> Iterator[TokenEvent]:
+def speculative_generate(
+    model,
+    tokenizer,
+    prompt: Sequence[int],
+    drafter,
+    *,
+    max_draft: int = 6,
+    width: int = 1,
+    policy: str = "always",
+    **options,
+) -> Iterator[TokenEvent]:
     """Speculative decoding with one drafter, verifying all it proposes (``policy="always"``) or what the cost
     model picks (``"cost"``); ``options`` as Speculator.__call__."""
     return Speculator(model, tokenizer, [drafter], max_draft=max_draft, width=width, policy=policy)(prompt, **options)

@@ -86,9 +86,13 @@ class DraftTree:
         """The subtree made of ``nodes`` (closed under parents, root included), renumbered in the same order."""
         keep = sorted({a for n in nodes for a in self.path(n)} | {0})
         index = {old: new for new, old in enumerate(keep)}
-        out = DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
-                        [self.depths[i] for i in keep], [set(self.sources[i]) for i in keep],
-                        [[(index[n], q) for n, q in self.proposals[i] if n in index] for i in keep])
+        out = DraftTree(
+            [self.tokens[i] for i in keep],
+            [index.get(self.parents[i], -1) for i in keep],
+            [self.depths[i] for i in keep],
+            [set(self.sources[i]) for i in keep],
+            [[(index[n], q) for n, q in self.proposals[i] if n in index] for i in keep],
+        )
         out.signal = {(src, index[n]): v for (src, n), v in self.signal.items() if n in index}
         return out
 
@@ -145,5 +149,5 @@ def keep_positions(layer_cache, start: int, kept: Sequence[int], total: int) -> 
         for name in ("keys", "values"):
             arrays = getattr(layer_cache, name)
             for a in arrays if isinstance(arrays, tuple) else (arrays,):
-                a[..., start:start + len(kept), :] = a[..., idx, :]
+                a[..., start : start + len(kept), :] = a[..., idx, :]
     layer_cache.trim(total - len(kept))

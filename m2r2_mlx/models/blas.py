@@ -71,7 +71,7 @@ def ensure_fast_blas() -> BlasInfo:
         _INFO = BlasInfo("reference", None, "mlx.core was imported before m2r2_mlx; import m2r2_mlx first for OpenBLAS")
         return _INFO
     errors = []
-    for path in ([choice] if choice else _candidates()):
+    for path in [choice] if choice else _candidates():
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:  # e.g. cmeel's copy without libgfortran5 installed

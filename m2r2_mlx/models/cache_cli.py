@@ -64,8 +64,9 @@ def pick(names: list[str], every: bool, found: list[Entry]) -> list[Entry]:
         if not hits:
             raise M2R2Error(f"{name!r} is not in m2r2's cache ({cache_home()}); `m2r2-cache list` shows what is")
         if len(hits) > 1:
-            raise M2R2Error(f"{name!r} names {len(hits)} entries; write it as `m2r2-cache list` prints it, "
-                            f"e.g. {hits[0].name}")
+            raise M2R2Error(
+                f"{name!r} names {len(hits)} entries; write it as `m2r2-cache list` prints it, e.g. {hits[0].name}"
+            )
         chosen += [e for e in hits if e not in chosen]
     return chosen
 
@@ -73,14 +74,17 @@ def pick(names: list[str], every: bool, found: list[Entry]) -> list[Entry]:
 def confirm(chosen: list[Entry]) -> bool:
     if not sys.stdin.isatty():
         raise M2R2Error("removing needs confirmation and there is no terminal to ask in; pass --yes")
-    answer = input(f"remove {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'}, "
-                   f"{human(sum(e.size for e in chosen))}? [y/N] ")
+    answer = input(
+        f"remove {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'}, {human(sum(e.size for e in chosen))}? [y/N] "
+    )
     return answer.strip().lower() in ("y", "yes")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m2r2-cache", description="List or remove what m2r2 keeps in its cache "
-                                "(imported models, MoE expert stores).")
+    p = argparse.ArgumentParser(
+        prog="m2r2-cache",
+        description="List or remove what m2r2 keeps in its cache (imported models, MoE expert stores).",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("list", help="imported models and expert stores, with their sizes")

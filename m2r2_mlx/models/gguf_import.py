@@ -182,8 +182,12 @@ def gguf_weights(reader, config: dict, keep_quantized: bool = False) -> dict[str
             out[name] = parts[0]
     if bits_of:
         common = max(set(bits_of.values()), key=list(bits_of.values()).count)
-        config["quantization"] = {"group_size": GROUP, "bits": common, "mode": "affine", **{
-            m: {"group_size": GROUP, "bits": b} for m, b in bits_of.items() if b != common}}
+        config["quantization"] = {
+            "group_size": GROUP,
+            "bits": common,
+            "mode": "affine",
+            **{m: {"group_size": GROUP, "bits": b} for m, b in bits_of.items() if b != common},
+        }
     return out
 
 
@@ -238,8 +242,7 @@ def source_fingerprint(path: Path) -> dict:
     return {"size": size, "sha256_head_tail": h.hexdigest(), "importer_version": IMPORTER_VERSION}
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False, keep_quantized: bool = False
-                ) -> Path:
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False, keep_quantized: bool = False) -> Path:
     """Import ``gguf_path`` into ``out_dir`` (float32 safetensors, or with ``keep_quantized`` MLX-quantized ones
     where the GGUF's types allow, + config + tokenizer).
 

@@ -38,8 +38,9 @@ class MoefiedMLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         if args.intermediate_size % args.num_experts:
-            raise ValueError(f"intermediate_size {args.intermediate_size} is not a multiple of "
-                             f"num_experts {args.num_experts}")
+            raise ValueError(
+                f"intermediate_size {args.intermediate_size} is not a multiple of num_experts {args.num_experts}"
+            )
         self.num_experts = args.num_experts
         self.top_k = args.num_experts_per_tok
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)

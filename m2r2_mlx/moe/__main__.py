@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                 for e in range(store.num_experts(layer)):
                     store.read(layer, e)
         n = sum(store.num_experts(l) for l in store.layers)
-        print(f"{store.folder}: {len(store.layers)} MoE layers, {n} experts, "
-              f"{store.expert_bytes()} bytes per expert, checksums {'written' if args.command == 'export' else 'ok'}")
+        print(
+            f"{store.folder}: {len(store.layers)} MoE layers, {n} experts, "
+            f"{store.expert_bytes()} bytes per expert, checksums {'written' if args.command == 'export' else 'ok'}"
+        )
 
     return run_cli(PROG, body)
 

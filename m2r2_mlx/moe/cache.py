@@ -91,15 +91,17 @@ def resolve_slots(budget: float | int | str, store: ExpertStore) -> dict[int, in
         raise M2R2Error(
             f"expert budget {budget!r} holds {slots[l]} of {store.num_experts(l)} experts in layer {l}, but each "
             f"token is routed to {need[l]}: the minimum is {min_fraction:.1%} of the experts "
-            f"({min_bytes} bytes, {_human(min_bytes)})")
+            f"({min_bytes} bytes, {_human(min_bytes)})"
+        )
     return slots
 
 
 class ExpertCache:
     """Experts of every MoE layer in fixed slots within a byte budget; see the module docstring."""
 
-    def __init__(self, store: ExpertStore, budget: float | int | str = 1.0, *, policy: str = "lru",
-                 link: Link | None = None):
+    def __init__(
+        self, store: ExpertStore, budget: float | int | str = 1.0, *, policy: str = "lru", link: Link | None = None
+    ):
         self.store = store
         self.link = link or Link()
         self.policy_name = policy
@@ -159,7 +161,7 @@ class ExpertCache:
     def next_layers(self, layer: int, n: int = 1) -> list[int]:
         """The ``n`` MoE layers after ``layer``."""
         i = self._ordinal[layer]
-        return self.layers[i + 1: i + 1 + n]
+        return self.layers[i + 1 : i + 1 + n]
 
     def is_stale(self, step: int, layer: int) -> bool:
         """Whether the forward pass has already gone past ``layer`` at ``step`` (safe from any thread)."""
@@ -168,8 +170,10 @@ class ExpertCache:
     def describe(self) -> str:
         s = sorted(set(self.slots_per_layer.values()))
         e = sorted({self.num_experts(l) for l in self.layers})
-        return (f"experts: budget {self.budget!r}, {'/'.join(map(str, s))} of {'/'.join(map(str, e))} per layer "
-                f"({_human(self.resident_bytes)}), {self.policy_name}, {self.link!r}")
+        return (
+            f"experts: budget {self.budget!r}, {'/'.join(map(str, s))} of {'/'.join(map(str, e))} per layer "
+            f"({_human(self.resident_bytes)}), {self.policy_name}, {self.link!r}"
+        )
 
     # -- the forward pass ------------------------------------------------------------------
 
@@ -205,14 +209,15 @@ class ExpertCache:
         if len(needed) <= s:
             return [needed]
         needed.sort(key=lambda e: not self.is_resident(layer, e))  # resident experts first: fewer loads
-        return [needed[i: i + s] for i in range(0, len(needed), s)]
+        return [needed[i : i + s] for i in range(0, len(needed), s)]
 
     def ensure(self, layer: int, experts: Iterable[int]) -> None:
         """Make ``experts`` (at most S of them) resident in ``layer``; never evicts one of them."""
         needed = list(dict.fromkeys(int(e) for e in experts))
         if len(needed) > self.slots_per_layer[layer]:
-            raise ValueError(f"{len(needed)} experts asked for at once, layer {layer} has "
-                             f"{self.slots_per_layer[layer]} slots")
+            raise ValueError(
+                f"{len(needed)} experts asked for at once, layer {layer} has {self.slots_per_layer[layer]} slots"
+            )
         start = time.perf_counter()
         st = self.stats.layer(layer)
         self._protected = (layer, set(needed))

@@ -96,8 +96,9 @@ class FusedPredictor:
     def attach(self, cache: ExpertCache) -> "FusedPredictor":
         missing = [l for l in cache.layers if l not in cache.routers]
         if missing:
-            raise M2R2Error(f"the M2R2 predictor needs the routers of MoE layers {missing}, "
-                            "which this model's blocks do not expose")
+            raise M2R2Error(
+                f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose"
+            )
         if any(isinstance(layer, _FusedTap) for layer in self.parts.layers):
             raise M2R2Error("this model already has an M2R2 expert predictor attached")
         self.cache = cache
@@ -142,8 +143,10 @@ class FusedPredictor:
 
     def predict(self, targets: list[int], exit_state: mx.array) -> None:
         """The exit state through each target layer's router; loads queued in layer order (order of need)."""
-        picks = [self.cache.routers[t](self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1))
-                 for t in targets]
+        picks = [
+            self.cache.routers[t](self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1))
+            for t in targets
+        ]
         mx.eval(picks)
         for t, p in zip(targets, picks):
             self.cache.prefetch(t, [int(e) for e in np.array(p)[0]])

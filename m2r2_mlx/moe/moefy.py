@@ -50,8 +50,13 @@ from .tiny_olmoe import corpus_documents
 
 PROG = "python -m m2r2_mlx.moe.moefy"
 PACKAGED_ADAPTERS = Path(m2r2_mlx.__file__).parent / "trained" / "smollm2"
-COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-          "generation_config.json")
+COPIED = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 # ---------------------------------------------------------------- data
@@ -61,8 +66,9 @@ def text_documents(paths: list[str]) -> list[str]:
     return [d for text in read_text_files(paths) for d in re.split(r"\n\s*\n", text) if d.strip()]
 
 
-def corpus_ids(tokenizer, train_tokens: int, heldout_tokens: int, seq_len: int, seed: int = 0,
-               docs: list[str] | None = None):
+def corpus_ids(
+    tokenizer, train_tokens: int, heldout_tokens: int, seq_len: int, seed: int = 0, docs: list[str] | None = None
+):
     """(train, held-out) token ids, (n, seq_len) each, from whole documents (default: the package
     corpus) in a seeded order; held-out documents are never in the training set."""
     docs = corpus_documents() if docs is None else docs
@@ -78,8 +84,10 @@ def corpus_ids(tokenizer, train_tokens: int, heldout_tokens: int, seq_len: int, 
             which = 0
         have += 1
     if len(sets[0]) < train_tokens:
-        raise M2R2Error(f"the corpus holds fewer than {train_tokens + heldout_tokens} tokens; "
-                        "lower --tokens and --heldout-tokens, or give more --text")
+        raise M2R2Error(
+            f"the corpus holds fewer than {train_tokens + heldout_tokens} tokens; "
+            "lower --tokens and --heldout-tokens, or give more --text"
+        )
     return tuple(np.array(s[: (w // seq_len) * seq_len], np.int32).reshape(-1, seq_len) for s, w in zip(sets, want))
 
 
@@ -89,7 +97,7 @@ def layer_pass(layer, h: mx.array, batch: int) -> tuple[mx.array, np.ndarray, np
     w_norm = mx.linalg.norm(layer.mlp.down_proj.weight, axis=0)  # each neuron's output direction's length
     outs, xs, masses = [], [], []
     for b in range(0, h.shape[0], batch):
-        hb = h[b: b + batch]
+        hb = h[b : b + batch]
         hb = hb + layer.self_attn(layer.input_layernorm(hb), create_attention_mask(hb, None))
         x = layer.post_attention_layernorm(hb)
         a = nn.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
@@ -161,8 +169,11 @@ def routed_share(x: np.ndarray, group_mass: np.ndarray, router: mx.array, k: int
     got = np.take_along_axis(group_mass, picked, 1).sum(1)
     top = np.take_along_axis(group_mass, best, 1).sum(1)
     recall = np.mean([len(set(p) & set(b)) / k for p, b in zip(picked, best)])
-    return {"router_mass": float((got / total).mean()), "oracle_mass": float((top / total).mean()),
-            "router_recall_of_top_groups": float(recall)}
+    return {
+        "router_mass": float((got / total).mean()),
+        "oracle_mass": float((top / total).mean()),
+        "router_recall_of_top_groups": float(recall),
+    }
 
 
 def routed_pass(layer, h: mx.array, router: mx.array, assign: np.ndarray, k: int, batch: int):
@@ -171,7 +182,7 @@ def routed_pass(layer, h: mx.array, router: mx.array, assign: np.ndarray, k: int
     mids, acts = [], []
     member = mx.array(assign)
     for b in range(0, h.shape[0], batch):
-        hb = h[b: b + batch]
+        hb = h[b : b + batch]
         hb = hb + layer.self_attn(layer.input_layernorm(hb), create_attention_mask(hb, None))
         x = layer.post_attention_layernorm(hb)
         top = mx.argpartition(-(x @ router.T), kth=k - 1, axis=-1)[..., :k]  # (B, T, k)
@@ -193,8 +204,9 @@ def refit_down(acts: np.ndarray, target: np.ndarray, down_t: np.ndarray, ridge: 
     return np.linalg.solve(gram + lam * np.eye(len(gram)), rhs).astype(np.float32)
 
 
-def moefy_layer(layer, x: np.ndarray, mass: np.ndarray, experts: int, k: int, router_steps: int,
-                cluster_tokens: int, seed: int) -> tuple[dict[str, mx.array], dict, np.ndarray]:
+def moefy_layer(
+    layer, x: np.ndarray, mass: np.ndarray, experts: int, k: int, router_steps: int, cluster_tokens: int, seed: int
+) -> tuple[dict[str, mx.array], dict, np.ndarray]:
     """Experts and router of one layer (weights named as in MoefiedMLP), its build statistics, the grouping."""
     rows = np.random.default_rng(seed).choice(len(mass), min(cluster_tokens, len(mass)), replace=False)
     assign = balanced_kmeans(mass[rows].T, experts, seed=seed)
@@ -219,7 +231,7 @@ def quality(model, ids: np.ndarray, batch: int = 8) -> tuple[float, np.ndarray]:
     """(perplexity, greedy next-token ids (n, T-1)) on held-out sequences."""
     nll, count, greedy = 0.0, 0, []
     for b in range(0, len(ids), batch):
-        x = mx.array(ids[b: b + batch])
+        x = mx.array(ids[b : b + batch])
         logits = model(x[:, :-1]).astype(mx.float32)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nll -= float(mx.take_along_axis(lp, x[:, 1:, None], axis=-1).sum())
@@ -235,14 +247,17 @@ def build(args) -> dict:
         if folder.exists() and not args.force:
             raise M2R2Error(f"{folder} already exists; pass --force to replace it")
     if args.experts < 2 or not 1 <= args.top_k <= args.experts:
-        raise M2R2Error(f"--experts must be at least 2 and --top-k between 1 and the number of experts "
-                        f"(got {args.experts} and {args.top_k})")
+        raise M2R2Error(
+            f"--experts must be at least 2 and --top-k between 1 and the number of experts "
+            f"(got {args.experts} and {args.top_k})"
+        )
     start = time.perf_counter()
     dense = load_model(args.model)
     cfg = dict(dense.config)
     if cfg.get("model_type") != "llama":
-        raise M2R2Error(f"MoEfication takes a dense llama-family model (SmolLM2); {dense.name} is "
-                        f"{cfg.get('model_type')!r}")
+        raise M2R2Error(
+            f"MoEfication takes a dense llama-family model (SmolLM2); {dense.name} is {cfg.get('model_type')!r}"
+        )
     hidden = cfg["intermediate_size"]
     if hidden % args.experts:
         raise M2R2Error(f"--experts {args.experts} does not divide the FFN width {hidden}; pick a divisor")
@@ -251,15 +266,19 @@ def build(args) -> dict:
     docs = text_documents(args.text) if args.text else None
     train, heldout = corpus_ids(dense.tokenizer, args.tokens, args.heldout_tokens, args.seq_len, args.seed, docs)
 
-    weights = {k: v for k, v in tree_flatten(dense.model.parameters())
-               if not (k.startswith("model.layers.") and (int(k.split(".")[2]) >= n_layers or ".mlp." in k))}
+    weights = {
+        k: v
+        for k, v in tree_flatten(dense.model.parameters())
+        if not (k.startswith("model.layers.") and (int(k.split(".")[2]) >= n_layers or ".mlp." in k))
+    }
     h = dense.model.model.embed_tokens(mx.array(train))
     h_moe = h  # the MoEfied model's own stream: down projections are refitted to pull it back to the dense one
     per_layer = []
     for i in tqdm(range(n_layers), desc="moefy", unit="layer"):
         h, x, mass = layer_pass(layers[i], h, args.batch)
-        w, st, assign = moefy_layer(layers[i], x, mass, args.experts, args.top_k, args.router_steps,
-                                    args.cluster_tokens, args.seed + i)
+        w, st, assign = moefy_layer(
+            layers[i], x, mass, args.experts, args.top_k, args.router_steps, args.cluster_tokens, args.seed + i
+        )
         mid, acts = routed_pass(layers[i], h_moe, w["gate.weight"], assign, args.top_k, args.batch)
         target = np.array(h).reshape(mid.shape) - mid
         down_t = np.array(layers[i].mlp.down_proj.weight).T  # (H, D)
@@ -274,12 +293,28 @@ def build(args) -> dict:
         per_layer.append({"layer": i, **st})
     build_s = time.perf_counter() - start
 
-    new_cfg = {**cfg, "model_type": MODEL_TYPE, "architectures": ["MoefiedLlamaForCausalLM"],
-               "num_hidden_layers": n_layers, "num_experts": args.experts, "num_experts_per_tok": args.top_k,
-               "moefied_from": {"model": dense.name, "config_hash": config_hash(cfg), "corpus_tokens": train.size,
-                                "method": "balanced k-means on neuron contributions; linear router"}}
-    record = {"build_s": build_s, "train_tokens": int(train.size), "heldout_tokens": int(heldout.size),
-              "experts": args.experts, "top_k": args.top_k, "layers": per_layer}
+    new_cfg = {
+        **cfg,
+        "model_type": MODEL_TYPE,
+        "architectures": ["MoefiedLlamaForCausalLM"],
+        "num_hidden_layers": n_layers,
+        "num_experts": args.experts,
+        "num_experts_per_tok": args.top_k,
+        "moefied_from": {
+            "model": dense.name,
+            "config_hash": config_hash(cfg),
+            "corpus_tokens": train.size,
+            "method": "balanced k-means on neuron contributions; linear router",
+        },
+    }
+    record = {
+        "build_s": build_s,
+        "train_tokens": int(train.size),
+        "heldout_tokens": int(heldout.size),
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "layers": per_layer,
+    }
     with atomic_folder(out) as tmp:
         for name in COPIED:
             if (dense.path / name).is_file():
@@ -309,8 +344,10 @@ def rekey_adapters(src: Path, dest: Path, model_folder: Path, model_cfg: dict) -
     """The dense model's M2R2 adapters, recorded as made for the MoEfied model (same attention, residual)."""
     cfg = M2R2Config.load(src)
     if cfg.num_layers != model_cfg["num_hidden_layers"]:
-        raise M2R2Error(f"adapters in {src} are for {cfg.num_layers} layers, the MoEfied model has "
-                        f"{model_cfg['num_hidden_layers']}; drop --adapters or --layers")
+        raise M2R2Error(
+            f"adapters in {src} are for {cfg.num_layers} layers, the MoEfied model has "
+            f"{model_cfg['num_hidden_layers']}; drop --adapters or --layers"
+        )
     cfg.base_model = str(model_folder)
     cfg.base_config_hash = config_hash(model_cfg)
     with atomic_folder(dest) as tmp:
@@ -327,8 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=16, help="experts per layer (must divide the FFN width)")
     p.add_argument("--top-k", type=int, default=4, help="experts per token")
     p.add_argument("--layers", type=int, default=None, help="MoEfy only the first N layers (a slice, for tests)")
-    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                   help="plain text files to learn from (default: the package corpus, see docs/moe_bench.md)")
+    p.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="plain text files to learn from (default: the package corpus, see docs/moe_bench.md)",
+    )
     p.add_argument("--tokens", type=int, default=16384, help="corpus tokens the grouping and routers learn from")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for the quality check")
     p.add_argument("--seq-len", type=int, default=256)
@@ -336,13 +378,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-tokens", type=int, default=4096, help="tokens whose activations group the neurons")
     p.add_argument("--router-steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-refit", dest="refit", action="store_false",
-                   help="keep the dense down projections (default: refit them so the routed experts track the "
-                   "dense model's residual stream)")
+    p.add_argument(
+        "--no-refit",
+        dest="refit",
+        action="store_false",
+        help="keep the dense down projections (default: refit them so the routed experts track the "
+        "dense model's residual stream)",
+    )
     p.add_argument("--ridge", type=float, default=0.05, help="refit: pull towards the dense weights")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out comparison with the dense model")
-    p.add_argument("--adapters", nargs="?", const=str(PACKAGED_ADAPTERS), default=None,
-                   help="also write M2R2 adapters re-keyed to the new model (default: the packaged smollm2 ones)")
+    p.add_argument(
+        "--adapters",
+        nargs="?",
+        const=str(PACKAGED_ADAPTERS),
+        default=None,
+        help="also write M2R2 adapters re-keyed to the new model (default: the packaged smollm2 ones)",
+    )
     p.add_argument("--adapters-out", default=None, help="where (default: OUT-m2r2)")
     p.add_argument("--force", action="store_true", help="replace existing output folders")
     return p
@@ -355,11 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         record = build(args)
         q = record.get("quality")
-        line = f"{args.out}: {len(record['layers'])} layers x {args.experts} experts, top-{args.top_k}, " \
-               f"built in {record['build_s']:.0f} s"
+        line = (
+            f"{args.out}: {len(record['layers'])} layers x {args.experts} experts, top-{args.top_k}, "
+            f"built in {record['build_s']:.0f} s"
+        )
         if q:
-            line += (f"; held-out perplexity {q['moe_ppl']:.2f} (dense {q['dense_ppl']:.2f}), "
-                     f"greedy agreement {q['greedy_agreement']:.1%}")
+            line += (
+                f"; held-out perplexity {q['moe_ppl']:.2f} (dense {q['dense_ppl']:.2f}), "
+                f"greedy agreement {q['greedy_agreement']:.1%}"
+            )
         print(line)
 
     return run_cli(PROG, body)

@@ -64,8 +64,7 @@ class Prefetcher:
         """
         with self._cond:
             late = [e for e in needed if (layer, e) in self._pending]
-            self._cond.wait_for(lambda: self._error is not None
-                                or not any((layer, e) in self._pending for e in late))
+            self._cond.wait_for(lambda: self._error is not None or not any((layer, e) in self._pending for e in late))
             if self._error is not None:
                 raise self._error
             arrived, self._ready = self._ready, []

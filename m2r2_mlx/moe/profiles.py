@@ -20,10 +20,10 @@ from .link import Link
 class Profile:
     name: str
     what: str
-    expert_mb: float          # one expert's bytes on the real device (MB)
-    link_gbps: float          # the real link's effective bandwidth (GB/s)
-    latency_ms: float         # per transfer on the real link
-    layer_ms: float           # one layer's decode compute on the real device (batch 1)
+    expert_mb: float  # one expert's bytes on the real device (MB)
+    link_gbps: float  # the real link's effective bandwidth (GB/s)
+    latency_ms: float  # per transfer on the real link
+    layer_ms: float  # one layer's decode compute on the real device (batch 1)
 
     @property
     def expert_ms(self) -> float:
@@ -40,13 +40,22 @@ class Profile:
 _EXPERT_W, _LAYER_W = 6.291e6, 67.1e6
 PROFILES = {
     "macbook": Profile(
-        "macbook", "OLMoE-1B-7B at 4-bit (MLX, group 64) on an Apple laptop (M3 Pro, 150 GB/s), experts read "
-        "from its SSD", expert_mb=_EXPERT_W * 0.5625 / 1e6, link_gbps=4.0, latency_ms=0.1,
-        layer_ms=_LAYER_W * 0.5625 / 150e9 / 0.6 * 1e3),
+        "macbook",
+        "OLMoE-1B-7B at 4-bit (MLX, group 64) on an Apple laptop (M3 Pro, 150 GB/s), experts read from its SSD",
+        expert_mb=_EXPERT_W * 0.5625 / 1e6,
+        link_gbps=4.0,
+        latency_ms=0.1,
+        layer_ms=_LAYER_W * 0.5625 / 150e9 / 0.6 * 1e3,
+    ),
     "pcie-gpu": Profile(
-        "pcie-gpu", "OLMoE-1B-7B in bfloat16 on a discrete GPU (RTX 4090, 1,008 GB/s) fed over PCIe 4.0 x16 from "
-        "pinned host memory", expert_mb=_EXPERT_W * 2 / 1e6, link_gbps=25.0, latency_ms=0.01,
-        layer_ms=_LAYER_W * 2 / 1008e9 / 0.7 * 1e3),
+        "pcie-gpu",
+        "OLMoE-1B-7B in bfloat16 on a discrete GPU (RTX 4090, 1,008 GB/s) fed over PCIe 4.0 x16 from "
+        "pinned host memory",
+        expert_mb=_EXPERT_W * 2 / 1e6,
+        link_gbps=25.0,
+        latency_ms=0.01,
+        layer_ms=_LAYER_W * 2 / 1008e9 / 0.7 * 1e3,
+    ),
 }
 
 

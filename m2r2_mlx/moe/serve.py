@@ -36,12 +36,14 @@ def store_folder(lm: LoadedModel) -> Path:
     return cache_home() / "experts" / f"{lm.path.name}-{key}"
 
 
-def serve_with_budget(lm: LoadedModel, budget: str, *, predictor: str = "pregating", adapters=None,
-                      link_gbps: float | None = None) -> ExpertCache:
+def serve_with_budget(
+    lm: LoadedModel, budget: str, *, predictor: str = "pregating", adapters=None, link_gbps: float | None = None
+) -> ExpertCache:
     """Offload ``lm``'s experts to a cache of ``budget`` ("25%", "2GB", 0.25); returns the cache."""
     if not moe_blocks(lm.model):
-        raise M2R2Error(f"--memory-budget applies to mixture-of-experts models (e.g. --model olmoe); "
-                        f"{lm.name} has no experts")
+        raise M2R2Error(
+            f"--memory-budget applies to mixture-of-experts models (e.g. --model olmoe); {lm.name} has no experts"
+        )
     if predictor not in PREDICTORS:
         raise M2R2Error(f"unknown expert predictor {predictor!r}; choose from {', '.join(PREDICTORS)}")
     parse_budget(budget)  # bad input fails before the (possibly long) export

@@ -14,16 +14,16 @@ def _ratio(a: float, b: float) -> float:
 
 @dataclass
 class LayerStats:
-    hits: int = 0               # experts a forward pass needed that were resident (prefetched ones included)
-    misses: int = 0             # experts loaded on demand while the forward pass waited
-    bytes_on_demand: int = 0    # = misses x expert bytes
-    prefetch_loads: int = 0     # experts the prefetcher brought in
+    hits: int = 0  # experts a forward pass needed that were resident (prefetched ones included)
+    misses: int = 0  # experts loaded on demand while the forward pass waited
+    bytes_on_demand: int = 0  # = misses x expert bytes
+    prefetch_loads: int = 0  # experts the prefetcher brought in
     prefetch_bytes: int = 0
-    prefetch_hits: int = 0      # prefetched experts later used (counted once, at the first use)
-    prefetch_wasted: int = 0    # prefetched experts evicted unused, or already resident on arrival
-    late_prefetches: int = 0    # needed experts still in flight: the pass waited for the prefetcher
-    predicted: int = 0          # predicted (step, layer, expert) triples that were later checked
-    predicted_used: int = 0     # ... of which the layer really used the expert
+    prefetch_hits: int = 0  # prefetched experts later used (counted once, at the first use)
+    prefetch_wasted: int = 0  # prefetched experts evicted unused, or already resident on arrival
+    late_prefetches: int = 0  # needed experts still in flight: the pass waited for the prefetcher
+    predicted: int = 0  # predicted (step, layer, expert) triples that were later checked
+    predicted_used: int = 0  # ... of which the layer really used the expert
     used_when_predicted: int = 0  # experts used at (step, layer) pairs that had a prediction
 
     @property
@@ -41,8 +41,8 @@ class LayerStats:
 
 @dataclass
 class CacheStats:
-    tokens: int = 0             # tokens through the first MoE layer (a prompt counts all its tokens)
-    steps: int = 0              # forward passes
+    tokens: int = 0  # tokens through the first MoE layer (a prompt counts all its tokens)
+    steps: int = 0  # forward passes
     stall_s: float = 0.0  # time the forward pass waited on the cache: loads, in-flight prefetches, copies into slots
     prefetch_dropped: int = 0  # requests the loader skipped because the pass had already gone past their layer
     layers: dict[int, LayerStats] = field(default_factory=dict)

@@ -35,13 +35,37 @@ VERSION = 1
 REEXPORT = "re-export the store (python -m m2r2_mlx.moe export --model MODEL -o FOLDER --force)"
 
 # safetensors dtype codes <-> MLX dtypes; bfloat16 travels as uint16 bits through numpy.
-_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "F64": mx.float64,
-       "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
-       "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64, "BOOL": mx.bool_}
+_MX = {
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "F64": mx.float64,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "BOOL": mx.bool_,
+}
 _CODE = {v: k for k, v in _MX.items()}
-_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-       "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
-       "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64, "BOOL": np.bool_}
+_NP = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "F64": np.float64,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "BOOL": np.bool_,
+}
 
 
 def mlx_dtype(code: str) -> mx.Dtype:
@@ -73,7 +97,10 @@ def _write_layer(path: Path, prefix: str, params: dict[str, mx.array]) -> dict:
         for name, a in arrays.items():
             n = a[e].nbytes
             header[f"{prefix}.experts.{e}.{name}"] = {
-                "dtype": codes[name], "shape": list(a.shape[1:]), "data_offsets": [offset, offset + n]}
+                "dtype": codes[name],
+                "shape": list(a.shape[1:]),
+                "data_offsets": [offset, offset + n],
+            }
             offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the safetensors spec pads the header to 8 bytes
@@ -90,7 +117,10 @@ def _write_layer(path: Path, prefix: str, params: dict[str, mx.array]) -> dict:
             experts.append({"offset": start, "bytes": size, "crc32": crc})
             start += size
     return {
-        "file": path.name, "file_bytes": path.stat().st_size, "prefix": prefix, "num_experts": num_experts,
+        "file": path.name,
+        "file_bytes": path.stat().st_size,
+        "prefix": prefix,
+        "num_experts": num_experts,
         "params": [{"name": n, "shape": list(a.shape[1:]), "dtype": codes[n]} for n, a in arrays.items()],
         "experts": experts,
     }
@@ -130,8 +160,12 @@ class ExpertStore:
                     placeholders = tree_map(lambda a: mx.zeros(a.shape, a.dtype), block.switch_mlp.parameters())
                     block.switch_mlp.update(placeholders)
                     mx.clear_cache()
-            manifest = {"format": FORMAT, "version": VERSION,
-                        "model_type": getattr(model, "model_type", None), "layers": layers}
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "model_type": getattr(model, "model_type", None),
+                "layers": layers,
+            }
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
         return ExpertStore.open(folder)
 
@@ -143,8 +177,10 @@ class ExpertStore:
         folder = Path(folder).expanduser()
         path = folder / MANIFEST
         if not path.is_file():
-            raise M2R2Error(f"no expert store in {folder} ({MANIFEST} is missing); export one first "
-                            "(python -m m2r2_mlx.moe export --model MODEL -o FOLDER)")
+            raise M2R2Error(
+                f"no expert store in {folder} ({MANIFEST} is missing); export one first "
+                "(python -m m2r2_mlx.moe export --model MODEL -o FOLDER)"
+            )
         try:
             manifest = json.loads(path.read_text())
             if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
@@ -163,8 +199,10 @@ class ExpertStore:
             raise M2R2Error(f"expert file {path} is missing; {REEXPORT}")
         size = path.stat().st_size
         if size != entry["file_bytes"]:
-            raise M2R2Error(f"expert file {path} is {size} bytes, the manifest says {entry['file_bytes']} "
-                            f"(truncated or altered); {REEXPORT}")
+            raise M2R2Error(
+                f"expert file {path} is {size} bytes, the manifest says {entry['file_bytes']} "
+                f"(truncated or altered); {REEXPORT}"
+            )
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             try:
@@ -225,15 +263,17 @@ class ExpertStore:
         """
         entry = self._layers[layer]
         ex = entry["experts"][expert]
-        raw = np.array(self._maps[layer][ex["offset"]: ex["offset"] + ex["bytes"]])
+        raw = np.array(self._maps[layer][ex["offset"] : ex["offset"] + ex["bytes"]])
         if zlib.crc32(raw) != ex["crc32"]:
-            raise M2R2Error(f"expert {expert} of layer {layer} in {self.folder / entry['file']} fails its checksum "
-                            f"(the file was altered or damaged); {REEXPORT}")
+            raise M2R2Error(
+                f"expert {expert} of layer {layer} in {self.folder / entry['file']} fails its checksum "
+                f"(the file was altered or damaged); {REEXPORT}"
+            )
         out, pos = {}, 0
         for p in entry["params"]:
             dtype = np.dtype(_NP[p["dtype"]])
             n = int(np.prod(p["shape"], dtype=np.int64)) * dtype.itemsize
-            out[p["name"]] = raw[pos: pos + n].view(dtype).reshape(p["shape"])
+            out[p["name"]] = raw[pos : pos + n].view(dtype).reshape(p["shape"])
             pos += n
         return out
 

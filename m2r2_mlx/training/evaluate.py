@@ -44,18 +44,27 @@ def agreement(m2r2, batches) -> dict:
             counts["naive_scored"] += n[:, m].sum(1)
             counts["fast_scored"] += f[:, m].sum(1)
             scored += int(m.sum())
-    out = {"gates": list(gates), "naive": (counts["naive"] / total).tolist(), "m2r2": (counts["fast"] / total).tolist(),
-           "tokens": total}
+    out = {
+        "gates": list(gates),
+        "naive": (counts["naive"] / total).tolist(),
+        "m2r2": (counts["fast"] / total).tolist(),
+        "tokens": total,
+    }
     if masked:
-        out["scored"] = {"naive": (counts["naive_scored"] / max(scored, 1)).tolist(),
-                         "m2r2": (counts["fast_scored"] / max(scored, 1)).tolist(), "tokens": scored}
+        out["scored"] = {
+            "naive": (counts["naive_scored"] / max(scored, 1)).tolist(),
+            "m2r2": (counts["fast_scored"] / max(scored, 1)).tolist(),
+            "tokens": scored,
+        }
     return out
 
 
 def row_batches(rows: np.ndarray, batch_size: int = 4, mask: np.ndarray | None = None):
     """``agreement`` batches over fixed-length token rows, every position scored (``mask``: their loss mask)."""
-    return ((mx.array(rows[i : i + batch_size]), slice(None), None if mask is None else mask[i : i + batch_size])
-            for i in range(0, len(rows), batch_size))
+    return (
+        (mx.array(rows[i : i + batch_size]), slice(None), None if mask is None else mask[i : i + batch_size])
+        for i in range(0, len(rows), batch_size)
+    )
 
 
 def answer_batches(sequences: list[tuple[list[int], int]]):

@@ -22,8 +22,9 @@ from ..core.arla import exit_stats
 from ..models.base_model import SubsetHead
 
 
-def collect_features(m2r2, rows: np.ndarray, batch_size: int = 4, progress=None, exit_ids=None,
-                     mask: np.ndarray | None = None) -> dict:
+def collect_features(
+    m2r2, rows: np.ndarray, batch_size: int = 4, progress=None, exit_ids=None, mask: np.ndarray | None = None
+) -> dict:
     """Per token and gate: fast-stream state h (N, J, D), exit statistics (N, J, 3: confidence, margin,
     entropy), confidence (N, J), the exit token (N, J) and label (N, J). ``exit_ids``: score the exits over these
     tokens only (as early exit does with ``m2r2.exit_head``); the label still asks for the full model's token.

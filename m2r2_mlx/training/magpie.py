@@ -32,8 +32,9 @@ SENTINEL = "\u241fM2R2-QUERY\u241f"  # a string no chat template produces, to fi
 
 def pre_query_tokens(tokenizer) -> list[int]:
     """The chat template's tokens up to where a user's first message begins (system prompt included)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
-                                         add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
     if SENTINEL not in text:
         raise M2R2Error(
             "the model's chat template does not place the user's message verbatim; Magpie needs one that does"

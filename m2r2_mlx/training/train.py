@@ -88,10 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=2e-3)
     # distillation's temperature and top-k, named apart from decoding's sampling flags (old names kept)
-    p.add_argument("--distill-temp", "--temperature", dest="temperature", type=float, default=1.0,
-                   help="distillation temperature (default 1.0)")
-    p.add_argument("--distill-top-k", "--top-k", dest="top_k", type=int, default=16,
-                   help="distil over the union of the teacher's top-k tokens (default 16)")
+    p.add_argument(
+        "--distill-temp",
+        "--temperature",
+        dest="temperature",
+        type=float,
+        default=1.0,
+        help="distillation temperature (default 1.0)",
+    )
+    p.add_argument(
+        "--distill-top-k",
+        "--top-k",
+        dest="top_k",
+        type=int,
+        default=16,
+        help="distil over the union of the teacher's top-k tokens (default 16)",
+    )
     p.add_argument("--align", type=float, default=1.0, help="weight of the cosine alignment term")
     p.add_argument(
         "--loss-on",
@@ -109,9 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace an existing OUTPUT folder")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--upload-repo", metavar="OWNER/NAME",
-                   help="after training, upload the adapters folder to this Hugging Face Hub model repo (created if "
-                   "needed; log in with `hf auth login` or set HF_TOKEN)")
+    p.add_argument(
+        "--upload-repo",
+        metavar="OWNER/NAME",
+        help="after training, upload the adapters folder to this Hugging Face Hub model repo (created if "
+        "needed; log in with `hf auth login` or set HF_TOKEN)",
+    )
     p.add_argument("--private", action="store_true", help="with --upload-repo: create the repo private")
     p.add_argument(
         "--exact-kernels",
@@ -356,8 +371,10 @@ def train(args) -> Path:
             f"(top-1 agreement with the full model, {metrics['tokens']} held-out tokens)"
         )
         if scored:
-            line += (f"; answers and text only: {100 * scored['naive'][j]:.1f}% / {100 * scored['m2r2'][j]:.1f}% "
-                     f"({scored['tokens']})")
+            line += (
+                f"; answers and text only: {100 * scored['naive'][j]:.1f}% / {100 * scored['m2r2'][j]:.1f}% "
+                f"({scored['tokens']})"
+            )
         print(line)
     return out
 
