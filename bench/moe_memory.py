@@ -1,7 +1,7 @@
 """Peak memory of an MoE served within an expert budget, against the same model loaded whole.
 
-    python -m bench.moe_memory                      # the test MoE, budget 25%, 16 decoded tokens
-    python -m bench.moe_memory --budget 10% --out m2r2-bench-results/moe_memory.md
+    python -m m2r2_bench.moe_memory                      # the test MoE, budget 25%, 16 decoded tokens
+    python -m m2r2_bench.moe_memory --budget 10% --out m2r2-bench-results/moe_memory.md
 
 The test MoE is an OLMoE of random weights (mlx-lm's olmoe, 8 layers x 32 experts of 384 units, top-4; the
 embedded model's tokenizer), written once into --work. Each row runs in a fresh process, which samples its anonymous
@@ -150,7 +150,7 @@ def measure(mode: str, folder: Path, budget: str, tokens: int, home: Path) -> di
         [
             sys.executable,
             "-m",
-            "bench.moe_memory",
+            "m2r2_bench.moe_memory",
             "--child",
             mode,
             "--model",
@@ -194,7 +194,7 @@ def table(rows: list[dict], size: dict, share: float) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.moe_memory",
+        prog="python -m m2r2_bench.moe_memory",
         description="Peak memory of the test MoE within an expert budget (lazy load) against the model loaded whole.",
     )
     p.add_argument("--budget", default="25%", help="expert memory budget (default 25%%)")
@@ -233,7 +233,7 @@ def _main() -> int:
     if args.out:
         atomic_write_text(
             args.out,
-            f"# MoE memory within a budget\n\n`python -m bench.moe_memory --budget "
+            f"# MoE memory within a budget\n\n`python -m m2r2_bench.moe_memory --budget "
             f"{args.budget}` (each row a fresh process)\n\n{text}\n\n{EXPLAINED}\n",
         )
     return 0

@@ -1,7 +1,7 @@
 """Plain decoding vs mlx-lm's stream_generate, side by side in one process.
 
-    python -m bench.plain_decode                 # ours vs mlx-lm, greedy, same prompts
-    python -m bench.plain_decode --blas-compare  # also: OpenBLAS vs the wheel's reference BLAS
+    python -m m2r2_bench.plain_decode                 # ours vs mlx-lm, greedy, same prompts
+    python -m m2r2_bench.plain_decode --blas-compare  # also: OpenBLAS vs the wheel's reference BLAS
 
 Both decoders run on the same model and prompts, interleaved (ours, mlx-lm, ours,
 ...) after a warm-up, and each run's decode rate is measured the same way: tokens
@@ -84,7 +84,7 @@ def measure(model: str | None, max_tokens: int, repeats: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.plain_decode", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m m2r2_bench.plain_decode", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="alias, repo id or folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -106,7 +106,7 @@ def main() -> int:
         cmd = [
             sys.executable,
             "-m",
-            "bench.plain_decode",
+            "m2r2_bench.plain_decode",
             "--json",
             "--max-tokens",
             str(args.max_tokens),
@@ -126,4 +126,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli("bench.plain_decode", main))
+    sys.exit(run_cli("m2r2_bench.plain_decode", main))

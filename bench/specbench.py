@@ -421,7 +421,7 @@ def _main() -> int:
 
 def main() -> None:
     if "--moe" in sys.argv[1:]:  # the MoE expert-cache benchmark: its own options (bench/moe_bench.py)
-        from bench import moe_bench
+        from m2r2_bench import moe_bench
 
         return moe_bench.main([a for a in sys.argv[1:] if a != "--moe"])
     sys.exit(run_cli("m2r2-bench", _main))

@@ -34,7 +34,7 @@ from m2r2_mlx.models.registry import load_model
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-from bench.specbench import SPECBENCH, select_questions
+from m2r2_bench.specbench import SPECBENCH, select_questions
 
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0001]
 

@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm.auto import tqdm
 
-from bench.specbench import SPECBENCH, run_turns, select_questions
+from m2r2_bench.specbench import SPECBENCH, run_turns, select_questions
 
 
 def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:

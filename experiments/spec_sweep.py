@@ -25,7 +25,7 @@ from m2r2_mlx.models.registry import load_model
 
 from tqdm.auto import tqdm
 
-from bench.specbench import SPECBENCH, run_turns, select_questions
+from m2r2_bench.specbench import SPECBENCH, run_turns, select_questions
 
 
 def _ints(text: str) -> list[int]:

@@ -30,7 +30,7 @@ from m2r2_mlx.models.registry import load_model
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-from bench.specbench import SPECBENCH, run_turns, select_questions
+from m2r2_bench.specbench import SPECBENCH, run_turns, select_questions
 
 CATEGORIES = "writing,coding,math,stem,qa,rag"
 

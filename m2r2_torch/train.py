@@ -409,8 +409,8 @@ def write_outputs(module: M2R2Adapters, cfg: M2R2Config, out: Path, rows: np.nda
     try:
         from m2r2_mlx.models.registry import load_model
 
-        from convert.checkpoint import plan_conversion, write_conversion
-        from convert.sources import read_checkpoint
+        from m2r2_convert.checkpoint import plan_conversion, write_conversion
+        from m2r2_convert.sources import read_checkpoint
     except ImportError as e:  # no mlx here
         save_draft_vocab(out / TORCH_DIR, tokens, cover, source=f"m2r2-train-torch rows: {rows.size} tokens")
         return (

@@ -22,7 +22,7 @@ from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
 
-from tui.options import BY_DEST, add_options, check_options
+from m2r2_tui.options import BY_DEST, add_options, check_options
 
 from .handler import Server
 from .worker import ModelWorker

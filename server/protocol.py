@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 
-from tui.options import OPTIONS
+from m2r2_tui.options import OPTIONS
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4  # as OpenAI's API

@@ -25,7 +25,7 @@ from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.registry import LoadedModel
 
-from tui.options import cache_options, check_cache_options, decoder_options, generation_options
+from m2r2_tui.options import cache_options, check_cache_options, decoder_options, generation_options
 
 from .protocol import Request, RequestError, StopMatcher
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.specbench import CATEGORIES, SPECBENCH, build_parser
+from m2r2_bench.specbench import CATEGORIES, SPECBENCH, build_parser
 
 
 @pytest.mark.slow
 def test_prompt_from_stdin():
     r = subprocess.run(
-        [sys.executable, "-m", "tui.chat", "-p", "-", "-m", "12"],
+        [sys.executable, "-m", "m2r2_tui.chat", "-p", "-", "-m", "12"],
         input="What is the capital of France?",
         capture_output=True,
         text=True,

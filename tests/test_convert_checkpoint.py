@@ -24,10 +24,10 @@ from mlx.utils import tree_flatten
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402  (after the skip: needs torch)
 
-from convert.checkpoint import plan_conversion  # noqa: E402
-from convert.cli import parse_args  # noqa: E402
-from convert.peft import to_m2r2_name, to_peft_name  # noqa: E402
-from convert.sources import read_checkpoint  # noqa: E402
+from m2r2_convert.checkpoint import plan_conversion  # noqa: E402
+from m2r2_convert.cli import parse_args  # noqa: E402
+from m2r2_convert.peft import to_m2r2_name, to_peft_name  # noqa: E402
+from m2r2_convert.sources import read_checkpoint  # noqa: E402
 from m2r2_torch.fast_stream import M2R2Torch  # noqa: E402
 from m2r2_torch.modules import M2R2Adapters, new_lora_deltas  # noqa: E402
 
@@ -62,7 +62,7 @@ def run_cli(module: str, *args, timeout=600) -> subprocess.CompletedProcess:
 
 
 def convert(*args) -> subprocess.CompletedProcess:
-    return run_cli("convert.cli", *args)
+    return run_cli("m2r2_convert.cli", *args)
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -169,7 +169,7 @@ def test_state_dict_converts_to_the_same_exits_and_arla(base, tmp_path):
 
 
 def _convert_in_process(path, lm, out=None, dtype="float32", **gates):
-    from convert.checkpoint import write_conversion
+    from m2r2_convert.checkpoint import write_conversion
 
     conversion = plan_conversion(read_checkpoint(path), lm, **gates)
     return conversion if out is None else (conversion, write_conversion(conversion, out, dtype=dtype))

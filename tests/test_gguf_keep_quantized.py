@@ -37,7 +37,16 @@ def folder_size(path) -> int:
 def test_embedded_model_kept_quantized_gives_the_float32_logits(lm, tmp_path, france_prompt):
     out = tmp_path / "smollm2-q"
     r = subprocess.run(
-        [sys.executable, "-m", "convert.cli", "gguf", str(embedded_gguf_path()), "-o", str(out), "--keep-quantized"],
+        [
+            sys.executable,
+            "-m",
+            "m2r2_convert.cli",
+            "gguf",
+            str(embedded_gguf_path()),
+            "-o",
+            str(out),
+            "--keep-quantized",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -120,7 +120,7 @@ def _run(module, *args, **env):
 
 def test_chat_mode_without_adapters_fails_before_any_download(tmp_path):
     r = _run(
-        "tui.chat",
+        "m2r2_tui.chat",
         "--model",
         "phi3",
         "--mode",
@@ -148,7 +148,7 @@ def test_chat_with_adapters_repo_alone_picks_the_model(tmp_path):
     cache = tmp_path / "hf" / "hub"
     publish(cache, "someone/smollm2-m2r2", packaged_files())
     r = _run(
-        "tui.chat",
+        "m2r2_tui.chat",
         "--adapters",
         "someone/smollm2-m2r2",
         "--mode",

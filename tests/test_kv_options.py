@@ -14,9 +14,9 @@ from m2r2_mlx.decoding.generate import PromptCache, generate
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-from server.cli import build_parser, defaults_from
-from server.protocol import RequestError, parse_request
-from server.worker import ModelWorker
+from m2r2_server.cli import build_parser, defaults_from
+from m2r2_server.protocol import RequestError, parse_request
+from m2r2_server.worker import ModelWorker
 from tests.conftest import FRANCE
 
 
@@ -56,7 +56,7 @@ def test_chat_turns_with_a_rotating_cache(lm):
 
 def _chat(*args):
     return subprocess.run(
-        [sys.executable, "-m", "tui.chat", "-p", "hi", *args],
+        [sys.executable, "-m", "m2r2_tui.chat", "-p", "hi", *args],
         capture_output=True,
         text=True,
         env=dict(os.environ),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from bench.moe_bench import greedy
+from m2r2_bench.moe_bench import greedy
 from tests.tiny import tiny_model
 
 PROMPT = np.array([3, 17, 42, 8, 99, 23, 5, 61, 12, 7])

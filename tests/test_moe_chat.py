@@ -13,9 +13,9 @@ import pytest
 from mlx.utils import tree_flatten
 from textual.widgets import Static
 
+from m2r2_tui.app import ChatApp
 from tests.test_tui import _args, _ask
 from tests.tiny import tiny_model
-from tui.app import ChatApp
 
 EXE = shutil.which("m2r2-chat")
 

@@ -27,7 +27,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 
-from bench.moe_bench import greedy
+from m2r2_bench.moe_bench import greedy
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
 DOCS = sorted(str(p) for p in (Path(__file__).parents[1] / "docs").glob("*.md"))

@@ -53,7 +53,7 @@ def test_truncated_safetensors(tmp_path, lm):
 
 def _cli(*args, **env):
     return subprocess.run(
-        [sys.executable, "-m", "tui.chat", *args],
+        [sys.executable, "-m", "m2r2_tui.chat", *args],
         capture_output=True,
         text=True,
         env={**os.environ, **env},

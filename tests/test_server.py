@@ -17,9 +17,9 @@ from m2r2_mlx.core.hub import packaged_adapters
 
 import pytest
 
-from server.cli import build_parser, defaults_from
-from server.handler import Server
-from server.worker import ModelWorker
+from m2r2_server.cli import build_parser, defaults_from
+from m2r2_server.handler import Server
+from m2r2_server.worker import ModelWorker
 
 openai = pytest.importorskip("openai")
 

@@ -274,7 +274,16 @@ def test_without_mlx_the_checkpoint_converts_here(base, tmp_path):
     assert not (tmp_path / "gpu" / "m2r2_config.json").exists()
     assert (tmp_path / "gpu" / "torch" / "draft_vocab.json").is_file()
     c = subprocess.run(
-        [sys.executable, "-m", "convert.cli", tmp_path / "gpu" / "torch", "--base", base[0], "-o", tmp_path / "mlx"],
+        [
+            sys.executable,
+            "-m",
+            "m2r2_convert.cli",
+            tmp_path / "gpu" / "torch",
+            "--base",
+            base[0],
+            "-o",
+            tmp_path / "mlx",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

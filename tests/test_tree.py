@@ -17,7 +17,7 @@ from m2r2_mlx.errors import M2R2Error
 import numpy as np
 import pytest
 
-from tui.render import token_text
+from m2r2_tui.render import token_text
 
 from .tiny import EosAs, randomize, tiny_model
 from .tiny import random_prompts as _prompts

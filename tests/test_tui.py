@@ -6,9 +6,9 @@ import asyncio
 import pytest
 from textual.widgets import Markdown, Static
 
-from tui.app import ChatApp
-from tui.chat import build_parser
-from tui.composer import Composer
+from m2r2_tui.app import ChatApp
+from m2r2_tui.chat import build_parser
+from m2r2_tui.composer import Composer
 
 
 def _args(*argv) -> argparse.Namespace:

@@ -16,10 +16,10 @@ from m2r2_mlx.models.blas import BlasInfo
 import mlx.core as mx
 import pytest
 
-import tui.app as app_module
-from tui.app import ChatApp
-from tui.chat import build_parser
-from tui.composer import Composer
+import m2r2_tui.app as app_module
+from m2r2_tui.app import ChatApp
+from m2r2_tui.chat import build_parser
+from m2r2_tui.composer import Composer
 
 from .test_tui import _ask
 

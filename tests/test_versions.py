@@ -11,10 +11,10 @@ import pytest
 @pytest.mark.parametrize(
     "prog, module",
     [
-        ("m2r2-chat", "tui.chat"),
-        ("m2r2-server", "server.cli"),
-        ("m2r2-bench", "bench.specbench"),
-        ("m2r2-convert", "convert.cli"),
+        ("m2r2-chat", "m2r2_tui.chat"),
+        ("m2r2-server", "m2r2_server.cli"),
+        ("m2r2-bench", "m2r2_bench.specbench"),
+        ("m2r2-convert", "m2r2_convert.cli"),
         ("m2r2-train", "m2r2_mlx.training.train"),
         ("m2r2-cache", "m2r2_mlx.models.cache_cli"),
     ],
