@@ -17,6 +17,33 @@ ADAPTERS_FILE = "adapters.safetensors"
 ADAPTER_FORMS = ("parallel_bottleneck", "lora")
 
 
+@dataclass
+class AdapterMetrics:
+    """What the adapters' trainer measured on held-out tokens. Decoding reads it: the speculative engine's
+    starting acceptance rates, and the exit rule early exit uses."""
+
+    # gates, and per gate the share of held-out tokens whose exit there agrees with the full model: "m2r2" (the
+    # fast stream's exit) and "naive" (the slow state's own); tokens scored
+    heldout_agreement: dict = field(default_factory=dict)
+    # gates, and "auc": per exit rule ("confidence", "arla", ...) the ROC AUC per gate of telling right from wrong
+    # exits
+    exit_auc: dict = field(default_factory=dict)
+
+    KEYS = ("heldout_agreement", "exit_auc")
+
+    def agreement(self, exit_layer: int, adapters: bool = True) -> float | None:
+        """The held-out agreement of the exit at ``exit_layer``, fast stream's (``adapters``) or naive; None if
+        not measured."""
+        rates = self.heldout_agreement.get("m2r2" if adapters else "naive") or []
+        gates = self.heldout_agreement.get("gates", [])
+        return rates[gates.index(exit_layer)] if exit_layer in gates and len(rates) == len(gates) else None
+
+    def exit_auc_sum(self, rule: str) -> float | None:
+        """The summed ROC AUC over gates of an exit rule ("arla", "confidence"); None if not measured."""
+        auc = self.exit_auc.get("auc", {}).get(rule)
+        return sum(auc) if auc else None
+
+
 def even_gates(num_layers: int, every: int) -> list[int]:
     """Gates every ``every`` layers, excluding the last layer (that exit is the base model's own)."""
     return [g for g in range(every, num_layers, every)]
@@ -43,7 +70,8 @@ class M2R2Config:
     lora_scale: float = 1.0  # "lora" form: delta = lora_scale * B(A(x)), PEFT's lora_alpha / r
     base_model: str = ""
     base_config_hash: str = ""
-    extra: dict = field(default_factory=dict)  # training recipe, metrics: informational
+    metrics: AdapterMetrics = field(default_factory=AdapterMetrics)
+    extra: dict = field(default_factory=dict)  # the training recipe, timings: informational, never read to decode
 
     def __post_init__(self):
         g = self.gates
@@ -85,6 +113,10 @@ class M2R2Config:
         if not path.is_file():
             raise M2R2Error(f"{folder} has no {CONFIG_FILE}; it is not an M2R2 adapters folder")
         try:
-            return cls(**json.loads(path.read_text()))
-        except (TypeError, ValueError) as e:
+            data = json.loads(path.read_text())
+            extra = dict(data.pop("extra", None) or {})
+            # files written before metrics had a field of their own kept them in "extra"
+            metrics = data.pop("metrics", None) or {k: extra.pop(k) for k in AdapterMetrics.KEYS if k in extra}
+            return cls(**data, metrics=AdapterMetrics(**metrics), extra=extra)
+        except (TypeError, ValueError, AttributeError) as e:
             raise M2R2Error(f"{path} is not a valid M2R2 config ({e})") from None

@@ -97,12 +97,12 @@ def make_drafter(
 
 
 def exit_rule(m2r2):
-    """ARLA when the adapters carry it and it separated right from wrong exits better than max-softmax
-    confidence on the trainer's held-out tokens (mean ROC AUC over gates); else confidence."""
-    auc = m2r2.config.extra.get("exit_auc", {}).get("auc", {})
+    """ARLA when the adapters carry it and it separated right from wrong exits at least as well as max-softmax
+    confidence on the trainer's held-out tokens (ROC AUC summed over gates); else confidence."""
     if getattr(m2r2, "arla", None) is None:
         return confidence
-    if auc and sum(auc.get("arla", [0])) < sum(auc.get("confidence", [0])):
+    arla, conf = m2r2.config.metrics.exit_auc_sum("arla"), m2r2.config.metrics.exit_auc_sum("confidence")
+    if arla is not None and conf is not None and arla < conf:
         return confidence
     return ARLARule(m2r2.arla)
 
@@ -113,10 +113,8 @@ def acceptance_priors(drafters) -> dict[str, float]:
     priors = {"lookup": 0.5}
     for d in drafters:
         if isinstance(d, LayerDrafter):
-            agreement = d.m2r2.config.extra.get("heldout_agreement", {})
-            rates = agreement.get("m2r2" if d.adapters else "naive") or []
-            gates = agreement.get("gates", [])
-            priors[d.kind] = rates[gates.index(d.exit_layer)] if d.exit_layer in gates else 0.3
+            rate = d.m2r2.config.metrics.agreement(d.exit_layer, adapters=d.adapters)
+            priors[d.kind] = 0.3 if rate is None else rate
     return priors
 
 
