@@ -29,6 +29,7 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.atomic import atomic_folder, atomic_write_text
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model, resolve_model_path
@@ -134,7 +135,7 @@ def child(mode: str, folder: str, budget: str, tokens: int) -> dict:
     prompt = lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True
     )
-    out["tokens"] = [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, max_tokens=tokens)]
+    out["tokens"] = [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, GenerationConfig(tokens))]
     if cache is not None:
         out["hit_rate"] = cache.stats.hit_rate
         cache.close()

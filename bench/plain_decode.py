@@ -20,6 +20,7 @@ import sys
 import time
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -41,7 +42,7 @@ def _decode_rate(times: list[float]) -> float:
 
 def run_ours(lm, prompt_ids, max_tokens) -> tuple[float, list[int]]:
     times, tokens = [], []
-    for ev in generate(lm.model, lm.tokenizer, prompt_ids, max_tokens=max_tokens):
+    for ev in generate(lm.model, lm.tokenizer, prompt_ids, GenerationConfig(max_tokens)):
         times.append(time.perf_counter())
         tokens.append(ev.token)
     return _decode_rate(times), tokens

@@ -17,44 +17,25 @@ JSONL per method, a markdown table and a PNG into --out.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
-import time
-import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import m2r2_mlx  # (first: preloads OpenBLAS before mlx.core on Linux)
-from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
-from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.decoders import COST_DRAFT, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, make_decoder
-from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.decoding.config import GenerationConfig
+from m2r2_mlx.decoding.decoders import COST_DRAFT, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
 
-import mlx.core as mx
-import numpy as np
 from tqdm.auto import tqdm
 
-from .peers import mlx_lm_decoder
-
-SPECBENCH = Path(__file__).resolve().parent / "data" / "question.jsonl"  # Spec-Bench's 480 (data/README.md)
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
-METHODS = ("plain", "plain-compiled", "mlx-lm", "m2r2", "m2r2-fast", "layerskip", "lookup", "mlx-lm-spec")
-LABELS = {
-    "plain": "plain (ours)",
-    "plain-compiled": "plain, --compile",
-    "mlx-lm": "mlx-lm stream_generate",
-    "m2r2": "M2R2 speculative (hybrid, cost)",
-    "m2r2-fast": "M2R2 fast stream alone",
-    "layerskip": "naive layer-skip",
-    "lookup": "prompt lookup",
-    "mlx-lm-spec": "mlx-lm 2-model speculative",
-}
+from .methods import METHODS, MethodSettings, make_method, make_methods, method_names, run_turns
+from .questions import CATEGORIES, ORDERS, SPECBENCH, ordered, select_questions
+from .report import answers_table, plot, summarise, table, write_answers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,206 +112,62 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("m2r2-bench-results"),
         help="folder for JSONL, table and plot (default: ./m2r2-bench-results)",
     )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="given",
+        help="the order questions are asked in: given (the file's), reverse, or shuffled with --seed (default: given)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="a new decoder for every question, so nothing an engine learns carries from one answer to the next "
+        "(default: one per method for the whole run, as a chat or a server keeps one)",
+    )
     return p
 
 
-def select_questions(path: Path, categories: str, limit: int | None) -> list[dict]:
-    if not path.is_file():
-        raise M2R2Error(f"Spec-Bench questions not found at {path}; pass --questions path/to/question.jsonl")
-    wanted = {"all": CATEGORIES, "mt_bench": MT_BENCH}.get(categories) or tuple(
-        c.strip() for c in categories.split(",")
-    )
-    unknown = [c for c in wanted if c not in CATEGORIES]
-    if unknown:
-        raise M2R2Error(f"unknown categories {unknown}; choose from {', '.join(CATEGORIES)}, mt_bench or all")
-    if limit is not None and limit < 1:
-        raise M2R2Error(f"at least 1 question per category is needed (got {limit}); raise --limit or --per-category")
-    taken: Counter = Counter()
-    out = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        if q["category"] in wanted and (limit is None or taken[q["category"]] < limit):
-            taken[q["category"]] += 1
-            out.append(q)
-    return out
+@dataclass(frozen=True)
+class RunPlan:
+    generation: GenerationConfig
+    turns: int = 2
+    seed: int = 0
+    fresh: bool = False  # a new decoder per question: nothing learnt carries from one answer to the next
+
+    @property
+    def greedy(self) -> bool:
+        return self.generation.sampling.greedy
 
 
-def method_names(args) -> list[str]:
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.draft_model and "mlx-lm-spec" not in names:
-        names.append("mlx-lm-spec")
-    bad = [m for m in names if m not in METHODS]
-    if bad:
-        raise M2R2Error(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
-    if "mlx-lm-spec" in names and not args.draft_model:
-        raise M2R2Error("mlx-lm-spec needs --draft-model (a small model sharing the tokenizer)")
-    return names if "plain" in names else ["plain", *names]  # every speedup is over plain decoding in the same run
-
-
-def make_methods(args, lm, names: list[str]) -> dict:
-    methods = {}
-    for name in names:
-        if name == "mlx-lm":
-            methods[name] = mlx_lm_decoder(lm)
-        elif name == "mlx-lm-spec":
-            methods[name] = mlx_lm_decoder(lm, load_model(args.draft_model).model, args.draft or DEFAULT_DRAFT)
-        elif name == "plain-compiled":
-            methods[name] = make_decoder(lm, "plain", compile=True)
-        elif name == "m2r2":  # what --mode speculative does by default: hybrid drafting under the cost model
-            methods[name] = make_decoder(
-                lm, "speculative", args.adapters, gate=args.gate, max_draft=args.draft, draft_vocab=args.draft_vocab
+def run(lm, questions: list[dict], names: list[str], settings: MethodSettings, plan: RunPlan) -> dict:
+    """Every question through every method, all methods on a question before the next question (drift on a
+    shared machine hits every method alike). Returns each method's records, in the order asked."""
+    methods = make_methods(lm, names, settings)
+    for decode in methods.values():  # warm-up: compile paths and fill allocator pools for every method
+        run_turns(lm, decode, ["Say hello."], GenerationConfig(8))
+    records: dict[str, list] = defaultdict(list)
+    bar = tqdm(total=len(questions) * len(names), desc="m2r2-bench", unit="answer")
+    for q in questions:
+        ref = None
+        for name in names:
+            bar.set_postfix_str(f"q{q['question_id']} {name}")
+            decode = make_method(lm, name, settings) if plan.fresh else methods[name]
+            # sampled: each method draws its own tokens (losslessness is tested in tests/, not comparable here)
+            generation = plan.generation if plan.greedy else replace(plan.generation, seed=plan.seed + q["question_id"])
+            turns = run_turns(lm, decode, q["turns"][: plan.turns], generation)
+            tokens = [t["tokens"] for t in turns]
+            ref = tokens if name == "plain" else ref
+            records[name].append(
+                {
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "turns": turns,
+                    "same_as_plain": tokens == ref if plan.greedy else None,
+                }
             )
-        else:  # every proposal verified: the fast stream alone, naive layer skip, prompt lookup
-            mode = {"m2r2-fast": "speculative"}.get(name, name)
-            methods[name] = make_decoder(
-                lm,
-                mode,
-                args.adapters,
-                drafter="fast",
-                policy="always",
-                gate=args.gate,
-                max_draft=args.draft or DEFAULT_DRAFT,
-                threshold=0.0 if mode == "lookup" else DEFAULT_THRESHOLD if args.threshold is None else args.threshold,
-                draft_vocab=args.draft_vocab if mode != "lookup" else 0,
-            )
-    return methods
-
-
-def run_turns(lm, decode, turns: list[str], max_tokens: int, **sampling) -> list[dict]:
-    """One question as a chat; per turn: tokens, text, decode rate, acceptance lengths, peak memory.
-    ``sampling``: temperature, top_p, seed (default greedy)."""
-    session = ChatSession(lm, decoder=decode)
-    out = []
-    for text in turns:
-        mx.reset_peak_memory()
-        stats, times, tokens = AnswerStats(), [], []
-        t0 = time.perf_counter()
-        for ev in session.send(text, max_tokens=max_tokens, **sampling):
-            times.append(time.perf_counter())
-            tokens.append(ev.token)
-            stats.add(ev)
-        decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
-        out.append(
-            {
-                "tokens": tokens,
-                "text": session.last_answer,
-                "new_tokens": len(tokens),
-                "wall_time": time.perf_counter() - t0,
-                "decode_time": decode_s,
-                "accept_lengths": stats.accept_lengths,
-                "drafted_by": dict(stats.drafted_by),
-                "exit_layers": stats.exit_layers,
-                "peak_memory_gb": mx.get_peak_memory() / 1e9,
-            }
-        )
-    return out
-
-
-def groups(categories: list[str]) -> list[str]:
-    """The table's rows: each category, then MT-Bench's 8 together (where the run has them and more), then all."""
-    mt = [c for c in categories if c in MT_BENCH]
-    return categories + (["mt_bench"] if mt and len(mt) < len(categories) else []) + ["overall"]
-
-
-def in_group(group: str, category: str) -> bool:
-    return group in ("overall", category) or (group == "mt_bench" and category in MT_BENCH)
-
-
-def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
-    """Per (category or group, method): decode tokens/s (summed tokens over summed time), speedup, acceptance,
-    memory."""
-    summary = {}
-    for cat in groups(categories):
-        for m in methods:
-            answers = [r for r in records[m] if in_group(cat, r["category"])]
-            turns = [t for r in answers for t in r["turns"]]
-            if not turns:
-                continue
-            toks = sum(max(t["new_tokens"] - 1, 0) for t in turns)
-            secs = sum(t["decode_time"] for t in turns)
-            acc = [a for t in turns for a in t["accept_lengths"]]
-            compared = [r["same_as_plain"] for r in answers if r["same_as_plain"] is not None]
-            n = len(answers)
-            summary[cat, m] = {
-                "tok_s": toks / secs if secs else 0.0,
-                "accepted": statistics.mean(acc) if acc else 1.0,
-                "hist": Counter(acc),
-                "peak_gb": max(t["peak_memory_gb"] for t in turns),
-                "same": f"{sum(compared)}/{n}" if compared else "- (sampled)",
-                "tokens": toks,
-                "drafted_by": sum((Counter(t.get("drafted_by", {})) for t in turns), Counter()),
-            }
-        plain = summary.get((cat, "plain"), {}).get("tok_s", 0.0)
-        for m in methods:
-            if (cat, m) in summary:
-                summary[cat, m]["speedup"] = summary[cat, m]["tok_s"] / plain if plain else 0.0
-    return summary
-
-
-def histogram_text(hist: Counter) -> str:
-    total = sum(hist.values()) or 1
-    return " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(hist.items()))
-
-
-def drafts_text(by: Counter) -> str:
-    return ", ".join(f"{source} {n}" for source, n in by.most_common()) or "-"
-
-
-def table(summary: dict, methods: list[str], categories: list[str]) -> str:
-    lines = [
-        "| category | method | tokens/s | speedup | tokens/step | acceptance lengths | drafts accepted | peak GB "
-        "| same as plain |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for cat in groups(categories):
-        for m in methods:
-            s = summary.get((cat, m))
-            if s:
-                lines.append(
-                    f"| {cat} | {LABELS[m]} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['accepted']:.2f} | "
-                    f"{histogram_text(s['hist'])} | {drafts_text(s['drafted_by'])} | {s['peak_gb']:.2f} | {s['same']} |"
-                )
-    return "\n".join(lines)
-
-
-def plot(summary: dict, methods: list[str], categories: list[str], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cats = groups(categories)
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in both panels
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
-    w = 0.8 / len(methods)
-    x = np.arange(len(cats))
-    for i, m in enumerate(methods):
-        ax.bar(
-            x + (i - (len(methods) - 1) / 2) * w,
-            [summary.get((c, m), {}).get("speedup", 0) for c in cats],
-            w,
-            label=LABELS[m],
-            color=colors[m],
-        )
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(x, cats, rotation=30, ha="right")
-    ax.set_ylabel("decode speedup over plain (same run)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    for m in methods:
-        hist = summary[("overall", m)]["hist"]
-        if m == "plain" or not hist:
-            continue
-        ks = sorted(hist)
-        total = sum(hist.values())
-        ax2.plot(ks, [100 * hist[k] / total for k in ks], marker="o", label=LABELS[m], color=colors[m])
-    ax2.set_xlabel("tokens per full-model step")
-    ax2.set_ylabel("% of steps")
-    ax2.set_title("acceptance lengths (all categories)", fontsize=10)
-    ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    atomic_save_figure(fig, out)
+            bar.update()
+    bar.close()
+    return records
 
 
 def _main() -> int:
@@ -341,78 +178,36 @@ def _main() -> int:
         raise M2R2Error(
             f"--temperature must be 0 (greedy) or positive and --top-p in (0, 1] (got {args.temperature}, {args.top_p})"
         )
-    greedy = args.temperature == 0
-    sampling = {} if greedy else {"temperature": args.temperature, "top_p": args.top_p}
-    questions = select_questions(args.questions, args.categories, args.limit)
+    generation = GenerationConfig.create(args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    plan = RunPlan(generation, args.turns, args.seed, args.fresh)
+    questions = ordered(select_questions(args.questions, args.categories, args.limit), args.order, args.seed)
     if not questions:
         raise M2R2Error("no questions selected; check --categories and --limit")
-    names = method_names(args)
+    names = method_names(args.methods, args.draft_model)
+    settings = MethodSettings(args.adapters, args.gate, args.draft, args.threshold, args.draft_vocab, args.draft_model)
     lm = load_model(args.model)
-    methods = make_methods(args, lm, names)
-    names = list(methods)
+    order = f"order {args.order}" + (f" (seed {args.seed})" if args.order == "shuffled" else "")
+    engines = "a fresh decoder per question" if args.fresh else "one decoder per method for the whole run"
     print(
-        f"{lm.name}: {len(questions)} questions, methods {', '.join(names)}; {blas_info().describe()}", file=sys.stderr
+        f"{lm.name}: {len(questions)} questions ({order}), methods {', '.join(names)}, {engines}; "
+        f"{blas_info().describe()}",
+        file=sys.stderr,
     )
-
-    for decode in methods.values():  # warm-up: compile paths and fill allocator pools for every method
-        run_turns(lm, decode, ["Say hello."], 8)
-    records: dict[str, list] = defaultdict(list)
-    bar = tqdm(total=len(questions) * len(names), desc="m2r2-bench", unit="answer")
-    for q in questions:
-        ref = None
-        for name, decode in methods.items():
-            bar.set_postfix_str(f"q{q['question_id']} {name}")
-            # sampled: each method draws its own tokens (losslessness is tested in tests/, not comparable here)
-            seed = {} if greedy else {"seed": args.seed + q["question_id"]}
-            turns = run_turns(lm, decode, q["turns"][: args.turns], args.max_tokens, **sampling, **seed)
-            tokens = [t["tokens"] for t in turns]
-            ref = tokens if name == "plain" else ref
-            records[name].append(
-                {
-                    "question_id": q["question_id"],
-                    "category": q["category"],
-                    "turns": turns,
-                    "same_as_plain": tokens == ref if greedy else None,
-                }
-            )
-            bar.update()
-    bar.close()
+    records = run(lm, questions, names, settings, plan)
 
     categories = [c for c in CATEGORIES if any(q["category"] == c for q in questions)]
     summary = summarise(records, names, categories)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in names:  # Spec-Bench's answer format, one file per method
-        lines = [
-            json.dumps(
-                {
-                    "question_id": r["question_id"],
-                    "category": r["category"],
-                    "answer_id": uuid.uuid4().hex,
-                    "model_id": f"{lm.name}-{name}",
-                    "tstamp": time.time(),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "turns": [t["text"] for t in r["turns"]],
-                            "new_tokens": [t["new_tokens"] for t in r["turns"]],
-                            "wall_time": [round(t["wall_time"], 4) for t in r["turns"]],
-                            "decode_time": [round(t["decode_time"], 4) for t in r["turns"]],
-                            "accept_lengths": [t["accept_lengths"] for t in r["turns"]],
-                        }
-                    ],
-                }
-            )
-            for r in records[name]
-        ]
-        atomic_write_text(args.out / f"{name}.jsonl", "\n".join(lines) + "\n")
+    write_answers(records, names, lm.name, args.out)
     md = table(summary, names, categories)
     cmd = " ".join(["m2r2-bench", *sys.argv[1:]])
+    sampling = "greedy" if plan.greedy else f"sampled (temperature {args.temperature}, top-p {args.top_p})"
     atomic_write_text(
         args.out / "results.md",
-        f"# Spec-Bench on {lm.name}\n\n`{cmd}`; {len(questions)} questions, "
-        f"{'greedy' if greedy else f'sampled (temperature {args.temperature}, top-p {args.top_p})'}, batch 1, "
-        f"float32, {blas_info().name} BLAS; decode tokens/s (prefill excluded), "
-        f"speedup over plain decoding in the same run.\n\n{md}\n\n![speedup per category](results.png)\n",
+        f"# Spec-Bench on {lm.name}\n\n`{cmd}`; {len(questions)} questions ({order}; {engines}), {sampling}, "
+        f"batch 1, float32, {blas_info().name} BLAS; decode tokens/s (prefill excluded), speedup over plain "
+        f"decoding in the same run.\n\n{md}\n\n![speedup per category](results.png)\n\n"
+        f"## Per answer (in the order asked)\n\n{answers_table(records, names)}\n",
     )
     plot(summary, names, categories, args.out / "results.png")
     print(md)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.generate import PromptCache, SlotKV
+from m2r2_mlx.decoding.compiled import SlotKV
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.models.base_model import BaseParts
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
+from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_drafter
-from m2r2_mlx.decoding.generate import PromptCache
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
+from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -34,7 +36,7 @@ from m2r2_mlx.models.registry import load_model
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-from m2r2_bench.specbench import SPECBENCH, select_questions
+from m2r2_bench.questions import SPECBENCH, select_questions
 
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0001]
 
@@ -48,39 +50,31 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
         prompt = lm.tokenizer.apply_chat_template(
             [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
         )
-        cache, confs, before, stats = PromptCache(lm.model), [], [], {"accepted": []}
+        cache, confs, before, stats = PromptCache(lm.model), [], [], AnswerStats()
         forward, original, last = cache.forward, drafter.propose, {}
 
         def keep_logits(tokens):
             last["logits"] = forward(tokens)
             return last["logits"]
 
-        def propose(tree, *args, **kwargs):
+        def propose(tree, request):
             # the root came from the last forward's row after the drafts it accepted (the step's length - 1), or
             # from the prefill's last row before the first step
-            row = stats["accepted"][-1] - 1 if stats["accepted"] else -1
+            row = stats.accept_lengths[-1] - 1 if stats.accept_lengths else -1
             before.append(mx.softmax(last["logits"][row].astype(mx.float32)).max().item())
-            steps = original(tree, *args, **kwargs)
+            steps = original(tree, request)
             confs.append(drafter.confidences[0] if len(tree) > 1 else None)
             return steps
 
         cache.forward, drafter.propose = keep_logits, propose
-        try:
-            list(
-                speculative_generate(
-                    lm.model,
-                    lm.tokenizer,
-                    prompt,
-                    drafter,
-                    cache=cache,
-                    max_tokens=max_tokens,
-                    max_draft=1,
-                    stats=stats,
-                )
-            )
+        try:  # each step's length is known (its last event read) before the next step drafts
+            for ev in speculative_generate(
+                lm.model, lm.tokenizer, prompt, drafter, GenerationConfig(max_tokens), cache=cache, max_draft=1
+            ):
+                stats.add(ev)
         finally:
             del drafter.propose
-        accepted = [n > 1 for n in stats["accepted"]]
+        accepted = [n > 1 for n in stats.accept_lengths]
         pairs += [(c, a) for c, a in zip(confs, accepted) if c is not None]
         signals += [(p, prev, a) for p, prev, a, c in zip(before, [None] + accepted, accepted, confs) if c is not None]
     return pairs, signals
@@ -272,7 +266,7 @@ def _main() -> int:
     args = ap.parse_args()
 
     lm = load_model(args.model)
-    drafter = make_drafter(lm, "speculative", args.adapters, gate=args.gate, threshold=0.0)
+    drafter = make_drafter(lm, DecodeConfig("speculative", gate=args.gate, threshold=0.0), args.adapters)
     questions = select_questions(args.questions, args.categories, args.limit)
     costs = step_costs(lm, drafter)
     pairs, signals = acceptance_by_confidence(lm, drafter, questions, args.max_tokens)

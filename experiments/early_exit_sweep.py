@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from functools import partial
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.core.arla import ARLARule
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.decoders import load_m2r2
-from m2r2_mlx.decoding.early_exit import confidence, early_exit_generate
-from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.early_exit import EarlyExitDecoder, ExitPolicy, confidence
+from m2r2_mlx.decoding.generate import PlainDecoder
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -43,7 +43,8 @@ import mlx.core as mx
 import numpy as np
 from tqdm.auto import tqdm
 
-from m2r2_bench.specbench import SPECBENCH, run_turns, select_questions
+from m2r2_bench.methods import run_turns
+from m2r2_bench.questions import SPECBENCH, select_questions
 
 
 def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
@@ -58,12 +59,12 @@ def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
         for checked, scaled in variants:
             for tau in taus:
                 label = f"{name}, gates {'/'.join(map(str, checked))}" + (", scaled tau" if scaled else "")
-                out[label, f"tau {tau:g}"] = dict(
-                    source=source, rule=rule, tau=tau, gates=checked, exit_head=m2r2.exit_head, scaled_tau=scaled
+                out[label, f"tau {tau:g}"] = ExitPolicy(
+                    tau, scaled, source, rule, gates=checked, exit_head=m2r2.exit_head
                 )
     for tau in taus:
-        out["naive + confidence", f"tau {tau:g}"] = dict(
-            source="naive", rule=confidence, tau=tau, exit_head=m2r2.exit_head, scaled_tau=False
+        out["naive + confidence", f"tau {tau:g}"] = ExitPolicy(
+            tau, False, "naive", confidence, exit_head=m2r2.exit_head
         )
     for floor in m2r2.config.gates[::-1]:
         gates = [g for g in m2r2.config.gates if g >= floor]
@@ -73,7 +74,7 @@ def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
             fit = [g for g in gates if g >= want]
             return fit[0] if fit else None
 
-        out["SkipDecode schedule", f"floor L{floor}"] = dict(source="naive", schedule=schedule)
+        out["SkipDecode schedule", f"floor L{floor}"] = ExitPolicy(source="naive", schedule=schedule)
     return out
 
 
@@ -132,8 +133,8 @@ def _main() -> int:
     qs = select_questions(args.questions, args.categories, args.limit)
     settings = methods(m2r2, [float(t) for t in args.taus.split(",")], L, args.max_tokens)
     rouge = rouge_scorer.RougeScorer(["rougeL"])
-    plain_decode = partial(generate, lm.model, lm.tokenizer)
-    run_turns(lm, plain_decode, ["Say hello."], 8)  # warm-up
+    plain_decode = PlainDecoder(lm)
+    run_turns(lm, plain_decode, ["Say hello."], GenerationConfig(8))  # warm-up
     acc = {
         k: {"passes": 0, "steps": 0, "exits": [], "agree": [], "rouge": [], "tokens": 0, "secs": 0.0} for k in settings
     }
@@ -144,17 +145,16 @@ def _main() -> int:
             prompt = lm.tokenizer.apply_chat_template(
                 [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
             )
-            (ref,) = run_turns(lm, plain_decode, q["turns"][:1], args.max_tokens)
+            (ref,) = run_turns(lm, plain_decode, q["turns"][:1], GenerationConfig(args.max_tokens))
             plain_tokens += ref["new_tokens"] - 1
             references.append((list(prompt) + ref["tokens"], len(prompt) + 1))  # the first token is the prefill's
             plain_secs += ref["decode_time"]
             bar.update()
-            for key, opts in settings.items():
-                stats: dict = {}
-                decode = partial(early_exit_generate, m2r2, lm.tokenizer, stats=stats, **opts)
-                (turn,) = run_turns(lm, decode, q["turns"][:1], args.max_tokens)
+            for key, policy in settings.items():
+                decode = EarlyExitDecoder(m2r2, lm.tokenizer, policy, lm.context_length)
+                (turn,) = run_turns(lm, decode, q["turns"][:1], GenerationConfig(args.max_tokens))
                 a = acc[key]
-                a["passes"] += stats["layer_passes"]
+                a["passes"] += turn["layer_passes"]
                 a["steps"] += turn["new_tokens"] - 1
                 a["exits"] += turn["exit_layers"][1:]
                 a["agree"].append(agreement(lm.model, list(prompt), turn["tokens"]))

@@ -32,7 +32,7 @@ from m2r2_mlx.training.exit_decisions import arla_logits, collect_features, pred
 
 import numpy as np
 
-from m2r2_bench.specbench import SPECBENCH, select_questions
+from m2r2_bench.questions import SPECBENCH, select_questions
 
 TARGETS = (0.99, 0.97, 0.95, 0.92, 0.90, 0.85)
 TAUS = np.round(np.arange(0.05, 1.0, 0.01), 2)

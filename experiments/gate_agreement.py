@@ -39,7 +39,7 @@ from m2r2_mlx.training.evaluate import (
 
 import numpy as np
 
-from m2r2_bench.specbench import SPECBENCH, select_questions
+from m2r2_bench.questions import SPECBENCH, select_questions
 
 
 def plot(results: dict, out: Path) -> None:

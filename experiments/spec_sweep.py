@@ -18,6 +18,7 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -25,7 +26,8 @@ from m2r2_mlx.models.registry import load_model
 
 from tqdm.auto import tqdm
 
-from m2r2_bench.specbench import SPECBENCH, run_turns, select_questions
+from m2r2_bench.methods import run_turns
+from m2r2_bench.questions import SPECBENCH, select_questions
 
 
 def _ints(text: str) -> list[int]:
@@ -67,16 +69,15 @@ def _main() -> int:
     grid = [k for k in grid if k[2] > 0 or k[4] == unsure[0]]  # without a threshold no draft is unsure
     decoders = {"plain": make_decoder(lm, "plain")}
     for g, d, t, v, u in grid:
-        decoders[g, d, t, v, u] = make_decoder(
-            lm, "speculative", args.adapters, gate=g, max_draft=d, threshold=t, draft_vocab=v, drop_unsure=u == "drop"
-        )
-    run_turns(lm, decoders["plain"], ["Say hello."], 8)  # warm-up
+        config = DecodeConfig("speculative", gate=g, max_draft=d, threshold=t, draft_vocab=v, drop_unsure=u == "drop")
+        decoders[g, d, t, v, u] = make_decoder(lm, config, args.adapters)
+    run_turns(lm, decoders["plain"], ["Say hello."], GenerationConfig(8))  # warm-up
     results = {k: {"tokens": 0, "secs": 0.0, "acc": [], "same": 0} for k in decoders}
     with tqdm(total=len(qs) * len(decoders), desc="speculative sweep", unit="answer") as bar:
         for q in qs:
             ref = None
             for key, decode in decoders.items():
-                (turn,) = run_turns(lm, decode, q["turns"][:1], args.max_tokens)
+                (turn,) = run_turns(lm, decode, q["turns"][:1], GenerationConfig(args.max_tokens))
                 ref = turn["tokens"] if key == "plain" else ref
                 r = results[key]
                 r["tokens"] += turn["new_tokens"] - 1

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
-from m2r2_mlx.decoding.generate import PromptCache, prefill
+from m2r2_mlx.decoding.prompt_cache import PromptCache, prefill
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.models.blas import blas_info
@@ -30,7 +31,8 @@ from m2r2_mlx.models.registry import load_model
 import mlx.core as mx
 from tqdm.auto import tqdm
 
-from m2r2_bench.specbench import SPECBENCH, run_turns, select_questions
+from m2r2_bench.methods import run_turns
+from m2r2_bench.questions import SPECBENCH, select_questions
 
 CATEGORIES = "writing,coding,math,stem,qa,rag"
 
@@ -83,13 +85,13 @@ def main() -> int:
         "speculative, synchronous steps": priced_out(lm, False),
     }
     for decode in decoders.values():  # warm-up, and the engines' one-time cost calibration
-        run_turns(lm, decode, questions[0]["turns"][:1], 8)
+        run_turns(lm, decode, questions[0]["turns"][:1], GenerationConfig(8))
     ratios = {name: [] for name in decoders}
     for r in tqdm(range(args.rounds), desc="rounds"):
         for q in questions:
             rate, ref = {}, None
             for name, decode in list(decoders.items())[:: 1 if r % 2 == 0 else -1]:
-                answer = run_turns(lm, decode, q["turns"][:1], args.tokens)[0]
+                answer = run_turns(lm, decode, q["turns"][:1], GenerationConfig(args.tokens))[0]
                 rate[name] = answer["new_tokens"] / answer["decode_time"]
                 ref = answer["tokens"] if ref is None else ref
                 if answer["tokens"] != ref:

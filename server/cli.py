@@ -17,12 +17,11 @@ import sys
 from functools import partial
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.core.hub import resolve_model_and_adapters
+from m2r2_mlx.decoding.decoders import MODES, resolve_for_mode
+from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
-
-from m2r2_tui.options import BY_DEST, add_options, check_options
 
 from .handler import Server
 from .worker import ModelWorker
@@ -67,30 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def defaults_from(args: argparse.Namespace) -> dict:
-    """The decoding options a request gets for the fields it leaves out."""
-    return {o: getattr(args, o) for o in BY_DEST}
-
-
 def _main() -> int:
     args = build_parser().parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    check_options(vars(args))
+    defaults = DecodingOptions.from_values(vars(args))  # what a request gets for the fields it leaves out
     if args.max_queue < 1:
         raise M2R2Error(f"--max-queue must be at least 1 (got {args.max_queue})")
     if not 0 <= args.port <= 65535:
         raise M2R2Error(f"--port must be in 0..65535 (got {args.port})")
     # names first: a mode without adapters, or a bad name, fails before any download
-    model, adapters = resolve_model_and_adapters(args.model, args.adapters, args.mode)
+    model, adapters = resolve_for_mode(args.model, args.adapters, args.mode)
     resolve_model_path(model)  # downloads or imports once, with progress, before the model thread starts
-    worker = ModelWorker(partial(load_model, model), adapters, defaults_from(args), args.max_queue)
+    worker = ModelWorker(partial(load_model, model), adapters, defaults, args.max_queue)
     lm = worker.start()
     try:
-        server = Server((args.host, args.port), worker, defaults_from(args), lm.name)
+        server = Server((args.host, args.port), worker, defaults, lm.name)
     except OSError as e:
         raise M2R2Error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
     host, port = server.server_address[:2]
-    modes = "all modes" if adapters else "plain, layerskip and lookup (no adapters for this model)"
+    free = " and ".join(", ".join(n for n, m in MODES.items() if not m.needs_adapters).rsplit(", ", 1))
+    modes = "all modes" if adapters else f"{free} (no adapters for this model)"
     print(
         f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS) "
         f"on http://{host}:{port}/v1",

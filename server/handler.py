@@ -10,6 +10,8 @@ import select
 import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from m2r2_mlx.decoding.options import DecodingOptions
+
 from .protocol import RequestError, chunk, completion, error_body, parse_request, usage, usage_chunk
 from .worker import Failed, Job, ModelWorker, Piece
 
@@ -169,7 +171,7 @@ class Server(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], worker: ModelWorker, defaults: dict, model_name: str):
+    def __init__(self, address: tuple[str, int], worker: ModelWorker, defaults: DecodingOptions, model_name: str):
         self.worker, self.defaults, self.model_name = worker, defaults, model_name
         host = address[0]
         self.address_family = socket.getaddrinfo(host, address[1], type=socket.SOCK_STREAM)[0][0]

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
-
-from m2r2_tui.options import OPTIONS
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4  # as OpenAI's API
@@ -42,12 +41,11 @@ class RequestError(Exception):
 @dataclass
 class Request:
     kind: str  # "chat" (/v1/chat/completions) or "text" (/v1/completions)
-    options: dict  # decoding options (tui.options dests): the server's defaults, with the request's fields over them
+    options: DecodingOptions  # the server's defaults, with the request's fields over them (stop strings included)
     messages: list[dict] = field(default_factory=list)  # chat: role/content, content as text
     prompt: str | list[int] = ""  # text completions: text or token ids
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-    stop: list[str] = field(default_factory=list)
     model: str | None = None
     id: str = ""
     created: int = 0
@@ -109,10 +107,11 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def request_options(body: dict, defaults: dict) -> dict:
+def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
     """The decoding options of one request: ``defaults`` (the server's flags), with each option's request field
-    over it (OpenAI's name first, then ours: tui.options.OPTIONS), type- and range-checked."""
-    values = dict(defaults)
+    over it (OpenAI's name first, then ours: m2r2_mlx.decoding.options.OPTIONS), type- and range-checked, and
+    the request's stop strings."""
+    values = defaults.values()
     for o in OPTIONS:
         given = [f for f in o.fields if body.get(f) is not None]
         if not given:
@@ -128,10 +127,14 @@ def request_options(body: dict, defaults: dict) -> dict:
                 o.check(values[o.dest], f"'{name}'")
             except M2R2Error as e:
                 raise RequestError(str(e), name) from None
-    return values
+    try:
+        options = DecodingOptions.from_values(values)
+    except M2R2Error as e:  # the mode against the server's KV options
+        raise RequestError(str(e), "mode") from None
+    return replace(options, generation=replace(options.generation, stop=tuple(_stop(body))))
 
 
-def parse_request(kind: str, body, defaults: dict) -> Request:
+def parse_request(kind: str, body, defaults: DecodingOptions) -> Request:
     """A request body from /v1/chat/completions (``kind="chat"``) or /v1/completions (``"text"``)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -152,7 +155,6 @@ def parse_request(kind: str, body, defaults: dict) -> Request:
         request_options(body, defaults),
         stream=stream,
         include_usage=bool(stream_options.get("include_usage")),
-        stop=_stop(body),
         model=model,
         id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()),
@@ -162,34 +164,6 @@ def parse_request(kind: str, body, defaults: dict) -> Request:
     else:
         req.prompt = _prompt(body)
     return req
-
-
-class StopMatcher:
-    """Cuts the answer at the first stop string. Text that could be the start of one is held back until the
-    next pieces decide, so a streamed answer never shows part of a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, piece: str) -> str:
-        """The text that is safe to emit now; sets ``stopped`` when a stop string has appeared."""
-        if not self.stops:
-            return piece
-        text = self.pending + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self.pending = True, ""
-            return text[: min(hits)]
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        self.pending = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold]
-
-    def flush(self) -> str:
-        """At the end of the answer, what was held back is plain text."""
-        text, self.pending = self.pending, ""
-        return text
 
 
 def usage(stats: AnswerStats, mode: str) -> dict:

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from m2r2_mlx.core.hub import ADAPTER_MODES
 from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.decoders import make_decoder
-from m2r2_mlx.decoding.generate import check_context
+from m2r2_mlx.decoding.config import DecodeConfig
+from m2r2_mlx.decoding.decoders import MODES, make_decoder
+from m2r2_mlx.decoding.events import check_context
+from m2r2_mlx.decoding.options import DecodingOptions, check_kv
+from m2r2_mlx.decoding.protocols import Decoder
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.registry import LoadedModel
 
-from m2r2_tui.options import cache_options, check_cache_options, decoder_options, generation_options
-
-from .protocol import Request, RequestError, StopMatcher
+from .protocol import Request, RequestError
 
 log = logging.getLogger("m2r2-server")
 KEEP_DECODERS = 4  # decoders kept built (each holds its adapters' weights): the modes a server is asked for
@@ -61,12 +61,14 @@ class Job:
 
 
 class ModelWorker:
-    def __init__(self, load: Callable[[], LoadedModel], adapters: Path | None, defaults: dict, max_queue: int = 16):
+    def __init__(
+        self, load: Callable[[], LoadedModel], adapters: Path | None, defaults: DecodingOptions, max_queue: int = 16
+    ):
         self.load, self.adapters, self.defaults = load, adapters, defaults
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.lm: LoadedModel | None = None
         self.session: ChatSession | None = None
-        self.decoders: OrderedDict[tuple, Callable] = OrderedDict()
+        self.decoders: OrderedDict[DecodeConfig, Decoder] = OrderedDict()
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="mlx", daemon=True)
@@ -88,8 +90,8 @@ class ModelWorker:
         try:
             self.lm = self.load()
             # its prompt cache (with the server's KV options) and chat template serve every request
-            self.session = ChatSession(self.lm, **cache_options(self.defaults))
-            self.decoder(self.defaults)  # the default mode's adapters load now, not on the first request
+            self.session = ChatSession(self.lm, kv=self.defaults.kv)
+            self.decoder(self.defaults.decode)  # the default mode's adapters load now, not on the first request
         except BaseException as e:  # reported by start(), on the caller's thread
             self.load_error = e
             self.ready.set()
@@ -113,15 +115,16 @@ class ModelWorker:
     # ---- requests ---------------------------------------------------------------------------------------
     def submit(self, request: Request) -> Job:
         """Queue a request; 503 when ``max_queue`` requests already wait."""
-        if request.options["mode"] in ADAPTER_MODES and self.adapters is None:
+        mode = request.options.decode.mode
+        if MODES[mode].needs_adapters and self.adapters is None:
+            free = ", ".join(name for name, m in MODES.items() if not m.needs_adapters)
             raise RequestError(
-                f"mode {request.options['mode']!r} needs M2R2 adapters and this server has none for its model; "
-                "start m2r2-server with --adapters DIR or a Hub repo id (modes without adapters: plain, layerskip, "
-                "lookup)",
+                f"mode {mode!r} needs M2R2 adapters and this server has none for its model; start m2r2-server with "
+                f"--adapters DIR or a Hub repo id (modes without adapters: {free})",
                 "mode",
             )
         try:  # a request's mode against the server's KV options
-            check_cache_options({**self.defaults, "mode": request.options["mode"]})
+            check_kv(self.defaults.kv, mode)
         except M2R2Error as e:
             raise RequestError(str(e), "mode") from None
         job = Job(request)
@@ -135,11 +138,11 @@ class ModelWorker:
             ) from None
         return job
 
-    def decoder(self, options: dict) -> Callable:
-        """The decoder the options name, built once and kept (the last KEEP_DECODERS)."""
-        key = (options["mode"], *sorted(decoder_options(options).items()))
+    def decoder(self, config: DecodeConfig) -> Decoder:
+        """The decoder ``config`` names, built once and kept (the last KEEP_DECODERS)."""
+        key = config
         if key not in self.decoders:
-            self.decoders[key] = make_decoder(self.lm, options["mode"], self.adapters, **decoder_options(options))
+            self.decoders[key] = make_decoder(self.lm, config, self.adapters)
             while len(self.decoders) > KEEP_DECODERS:
                 self.decoders.popitem(last=False)
         self.decoders.move_to_end(key)
@@ -160,21 +163,15 @@ class ModelWorker:
         req = job.request
         prompt = self.prompt_tokens(req)
         check_context(len(prompt), self.lm.context_length)
-        decode = self.decoder(req.options)
-        stats, stops, finish = AnswerStats(), StopMatcher(req.stop), None
-        stream = decode(
-            prompt, cache=self.session.cache, context_length=self.lm.context_length, **generation_options(req.options)
-        )
+        decode = self.decoder(req.options.decode)
+        stats, finish = AnswerStats(), None
+        stream = self.session.answer(prompt, req.options.generation, decode)
         try:
             for ev in stream:
                 stats.add(ev)
-                text = stops.feed(ev.text)
-                if text:
-                    job.items.put(Piece(text))
-                if stops.stopped:
-                    finish = "stop"
-                elif ev.finish_reason:
-                    finish = ev.finish_reason
+                if ev.text:
+                    job.items.put(Piece(ev.text))
+                finish = ev.finish_reason
                 if finish or job.cancelled.is_set():
                     break
         finally:
@@ -182,7 +179,6 @@ class ModelWorker:
         if job.cancelled.is_set():
             log.info("request %s cancelled after %d tokens (client gone)", req.id, stats.tokens)
             return
-        if not stops.stopped and (rest := stops.flush()):
-            job.items.put(Piece(rest))
-        job.items.put(Done(finish or "length", stats, req.options["mode"]))
-        log.info("request %s: %s, %s", req.id, req.options["mode"], stats.summary())
+        mode = req.options.decode.mode
+        job.items.put(Done(finish or "length", stats, mode))
+        log.info("request %s: %s, %s", req.id, mode, stats.summary())

@@ -119,7 +119,7 @@ def test_bench_samples_when_asked(tmp_path):
 
 
 def test_mt_bench_rows_sum_only_mt_bench_categories():
-    from m2r2_bench.specbench import groups, summarise
+    from m2r2_bench.report import groups, summarise
 
     def answer(cat, tokens, seconds):
         turn = {"new_tokens": tokens + 1, "decode_time": seconds, "accept_lengths": [1] * tokens, "peak_memory_gb": 0.5}

@@ -3,6 +3,7 @@
 import json
 
 from m2r2_mlx.decoding.chat import ChatSession
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.errors import M2R2Error
 
 import pytest
@@ -12,10 +13,10 @@ from .conftest import FRANCE
 
 def test_second_turn_prefills_only_its_own_tokens(lm):
     s = ChatSession(lm)
-    first = list(s.send(FRANCE, max_tokens=40))
+    first = list(s.send(FRANCE, GenerationConfig(40)))
     assert first[-1].prefill_tokens == first[-1].prompt_tokens
     turn1 = list(s.cache.tokens)  # prompt + answer + <|im_end|>
-    second = list(s.send("And of Germany?", max_tokens=40))
+    second = list(s.send("And of Germany?", GenerationConfig(40)))
     prompt2 = s.cache.tokens[: second[-1].prompt_tokens]
     assert prompt2[: len(turn1)] == turn1  # the new prompt extends the cached conversation
     assert second[-1].prefill_tokens == second[-1].prompt_tokens - len(turn1)
@@ -27,7 +28,7 @@ def test_second_turn_prefills_only_its_own_tokens(lm):
 
 def test_template_carries_history_and_system_prompt(lm):
     s = ChatSession(lm, system_prompt="You answer in one word.")
-    list(s.send("Capital of Italy?", max_tokens=8))
+    list(s.send("Capital of Italy?", GenerationConfig(8)))
     text = lm.tokenizer.decode(s.prompt_tokens())
     assert text.startswith("<|im_start|>system\nYou answer in one word.<|im_end|>")
     assert "Capital of Italy?" in text and s.messages[-1]["content"] in text
@@ -35,20 +36,20 @@ def test_template_carries_history_and_system_prompt(lm):
 
 def test_cancel_keeps_partial_answer_and_cache_consistent(lm):
     s = ChatSession(lm)
-    stream = s.send("Write a long poem about the sea.", max_tokens=200)
+    stream = s.send("Write a long poem about the sea.", GenerationConfig(200))
     got = [next(stream) for _ in range(5)]
     stream.close()
     assert s.messages[-1] == {"role": "assistant", "content": "".join(e.text for e in got)}
     # the next turn reuses whatever prefix is still valid and answers normally
-    nxt = list(s.send(FRANCE, max_tokens=30))
+    nxt = list(s.send(FRANCE, GenerationConfig(30)))
     assert "Paris" in "".join(e.text for e in nxt)
     assert nxt[-1].prefill_tokens < nxt[-1].prompt_tokens
 
 
 def test_regenerate_is_deterministic_when_greedy(lm):
     s = ChatSession(lm)
-    a = "".join(e.text for e in s.send(FRANCE, max_tokens=30))
-    b_events = list(s.regenerate(max_tokens=30))
+    a = "".join(e.text for e in s.send(FRANCE, GenerationConfig(30)))
+    b_events = list(s.regenerate(GenerationConfig(30)))
     assert "".join(e.text for e in b_events) == a
     assert b_events[-1].prefill_tokens == 1  # the whole prompt came from the cache
     assert len(s.messages) == 2
@@ -56,7 +57,7 @@ def test_regenerate_is_deterministic_when_greedy(lm):
 
 def test_save_load_roundtrip_and_no_overwrite(lm, tmp_path):
     s = ChatSession(lm)
-    list(s.send(FRANCE, max_tokens=20))
+    list(s.send(FRANCE, GenerationConfig(20)))
     path = s.save(tmp_path / "conv.json")
     assert json.loads(path.read_text())["messages"] == s.messages
     with pytest.raises(M2R2Error, match="already exists"):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from m2r2_bench.specbench import CATEGORIES, SPECBENCH, build_parser
+from m2r2_bench.questions import CATEGORIES, SPECBENCH
+from m2r2_bench.specbench import build_parser
 
 
 @pytest.mark.slow

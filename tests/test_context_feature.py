@@ -1,9 +1,11 @@
 """The first interval's context feature: the previous position's final residual, projected into its start."""
 
 from m2r2_mlx.core.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter
-from m2r2_mlx.decoding.early_exit import early_exit_generate
-from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate
+from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.speculative import speculative_generate
 
 import mlx.core as mx
@@ -65,8 +67,11 @@ def test_speculative_with_the_feature_is_lossless(lm, ctx_m2r2, max_draft):
     drafter = LayerDrafter(ctx_m2r2, 0)
     assert drafter.keeps_states
     for prompt in _prompts(5, seed=max_draft):
-        plain = [e.token for e in generate(model, tok, prompt, max_tokens=24)]
-        spec = [e.token for e in speculative_generate(model, tok, prompt, drafter, max_tokens=24, max_draft=max_draft)]
+        plain = [e.token for e in generate(model, tok, prompt, GenerationConfig(24))]
+        spec = [
+            e.token
+            for e in speculative_generate(model, tok, prompt, drafter, GenerationConfig(24), max_draft=max_draft)
+        ]
         assert spec == plain
 
 
@@ -89,10 +94,16 @@ def test_drafts_read_the_verified_final_state(lm, ctx_m2r2):
 def test_early_exit_with_the_feature(lm, ctx_m2r2):
     model, tok = ctx_m2r2.base, lm.tokenizer
     for prompt in _prompts(3, seed=9):
-        plain = [e.token for e in generate(model, tok, prompt, max_tokens=20)]
-        never = [e.token for e in early_exit_generate(ctx_m2r2, tok, prompt, tau=1.5, max_tokens=20)]
+        plain = [e.token for e in generate(model, tok, prompt, GenerationConfig(20))]
+        never = [
+            e.token
+            for e in early_exit_generate(ctx_m2r2, tok, prompt, GenerationConfig(20), policy=ExitPolicy(tau=1.5))
+        ]
         assert never == plain
-        exits = [e.exit_layer for e in early_exit_generate(ctx_m2r2, tok, prompt, tau=0.0, max_tokens=20)]
+        exits = [
+            e.exit_layer
+            for e in early_exit_generate(ctx_m2r2, tok, prompt, GenerationConfig(20), policy=ExitPolicy(tau=0.0))
+        ]
         assert set(exits[1:]) == {2}  # tau 0: every token after the prefill's leaves at the first gate
 
 

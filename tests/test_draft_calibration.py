@@ -87,6 +87,7 @@ def test_signal_table_splits_steps_by_what_is_known_before_drafting():
 
 
 def test_signals_read_the_full_models_probability_of_the_token_each_draft_follows(lm):
+    from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
     from m2r2_mlx.decoding.decoders import make_drafter
     from m2r2_mlx.decoding.generate import generate
 
@@ -95,12 +96,14 @@ def test_signals_read_the_full_models_probability_of_the_token_each_draft_follow
     from experiments.draft_calibration import acceptance_by_confidence
 
     question = "Name three colours."
-    drafter = make_drafter(lm, "speculative", None, threshold=0.0)
+    drafter = make_drafter(lm, DecodeConfig("speculative", threshold=0.0))
     pairs, signals = acceptance_by_confidence(lm, drafter, [{"turns": [question]}], max_tokens=16)
     assert len(pairs) == len(signals) > 3 and [a for _, a in pairs] == [a for *_, a in signals]
     assert signals[0][1] is None and [p for _, p, _ in signals[1:]] == [a for *_, a in signals[:-1]]
     prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-    answer = [e.token for e in generate(lm.model, lm.tokenizer, prompt, max_tokens=16)]  # what speculation emits too
+    answer = [
+        e.token for e in generate(lm.model, lm.tokenizer, prompt, GenerationConfig(16))
+    ]  # what speculation emits too
     probs = mx.softmax(lm.model(mx.array([prompt + answer]))[0].astype(mx.float32), axis=-1).max(-1).tolist()
     index = 0  # the answer token each step's draft follows: one per step, two after an accepted draft
     for p, _, accepted in signals:

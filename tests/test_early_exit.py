@@ -2,8 +2,11 @@
 deeper gates ask more with scaled thresholds."""
 
 from m2r2_mlx.core.adapters import new_m2r2
-from m2r2_mlx.decoding.early_exit import early_exit_generate, gate_thresholds
-from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.config import GenerationConfig
+from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate, gate_thresholds
+from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.stats import AnswerStats
 
 import mlx.core as mx
 import numpy as np
@@ -46,8 +49,10 @@ def assert_cache_is_full_models(model, cache):
 def test_tau_above_every_probability_is_plain_decoding(lm, tiny_m2r2):
     model = tiny_m2r2.base
     for prompt in PROMPTS:
-        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=20)]
-        got = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=1.01, max_tokens=20))
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, GenerationConfig(20))]
+        got = list(
+            early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, GenerationConfig(20), policy=ExitPolicy(tau=1.01))
+        )
         assert [e.token for e in got] == plain
         assert all(e.exit_layer == 8 for e in got)
 
@@ -77,12 +82,9 @@ def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, sch
                 tiny_m2r2,
                 lm.tokenizer,
                 prompt,
-                tau=0.0,
-                source=source,
+                GenerationConfig(16),
+                policy=ExitPolicy(tau=0.0, source=source, schedule=schedule, fused=fused),
                 cache=cache,
-                schedule=schedule,
-                max_tokens=16,
-                fused=fused,
             )
         )
         exits |= {e.exit_layer for e in events[1:]}
@@ -94,7 +96,11 @@ def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, sch
 def test_exits_only_at_allowed_gates(lm, tiny_m2r2):
     for gates in (None, [4], [4, 6]):
         allowed = set(gates or tiny_m2r2.config.gates) | {8}
-        events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.0, gates=gates, max_tokens=12))
+        events = list(
+            early_exit_generate(
+                tiny_m2r2, lm.tokenizer, PROMPTS[0], GenerationConfig(12), policy=ExitPolicy(tau=0.0, gates=gates)
+            )
+        )
         assert {e.exit_layer for e in events[1:]} <= allowed
         assert min(e.exit_layer for e in events[1:]) == min(allowed)  # tau 0: the first allowed gate, never before
 
@@ -116,7 +122,11 @@ def test_scaled_tau_asks_more_at_deeper_gates(lm, tiny_m2r2):
     def run(score_after_first, scaled):
         rule = lambda logits, h, j, trail: 0.0 if j == 0 else score_after_first  # noqa: E731
         events = early_exit_generate(
-            tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=0.8, rule=rule, scaled_tau=scaled, max_tokens=8
+            tiny_m2r2,
+            lm.tokenizer,
+            PROMPTS[0],
+            GenerationConfig(8),
+            policy=ExitPolicy(tau=0.8, rule=rule, scaled_tau=scaled),
         )
         return {e.exit_layer for e in list(events)[1:]}
 
@@ -132,14 +142,25 @@ def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
     schedule = lambda i: 2 if i % 2 else None  # noqa: E731  (odd positions exit at L2, even ones run the full model)
     events = list(
         early_exit_generate(
-            tiny_m2r2, lm.tokenizer, PROMPTS[1], schedule=schedule, source="naive", cache=cache, max_tokens=10
+            tiny_m2r2,
+            lm.tokenizer,
+            PROMPTS[1],
+            GenerationConfig(10),
+            policy=ExitPolicy(schedule=schedule, source="naive"),
+            cache=cache,
         )
     )
     assert [e.exit_layer for e in events[1:]] == [2 if i % 2 else 8 for i in range(1, 10)]
     assert_cache_is_full_models(model, cache)
     # a second turn reuses the cache the first one left (only the new tokens are prefilled)
     turn2 = cache.tokens + [events[-1].token, 50, 51]
-    ev = next(iter(early_exit_generate(tiny_m2r2, lm.tokenizer, turn2, tau=1.01, cache=cache, max_tokens=2)))
+    ev = next(
+        iter(
+            early_exit_generate(
+                tiny_m2r2, lm.tokenizer, turn2, GenerationConfig(2), policy=ExitPolicy(tau=1.01), cache=cache
+            )
+        )
+    )
     assert ev.prefill_tokens == 3
 
 
@@ -151,7 +172,9 @@ def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m
     m, model = tiny_m2r2, tiny_m2r2.base
     (_, g2, g3), prompt = m.config.gates, PROMPTS[2]
     cache = full_cache(model, prompt[:-1])
-    walker = EarlyExit(m, cache, tau=0.0, schedule=lambda i: g2)  # every token leaves at g2: pending from there
+    walker = EarlyExit(
+        m, cache, ExitPolicy(tau=0.0, schedule=lambda i: g2)
+    )  # every token leaves at g2: pending from there
     for i, tok in enumerate([prompt[-1], 40, 41]):
         walker.step(tok, i)
     assert [c for c, _ in walker.pending] == [g2, g2, g2]
@@ -172,13 +195,15 @@ def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m
 def test_fused_and_unfused_layer_passes(lm, tiny_m2r2, fused):
     """Fused checks never read a layer twice: with tau above 1 (no exit) a token costs L passes;
     the unfused path pays the fast stream's interval on top, for every checked gate."""
-    stats = {}
-    events = list(
-        early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], tau=1.01, max_tokens=6, stats=stats, fused=fused)
-    )
+    policy = ExitPolicy(tau=1.01, fused=fused)
+    events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], GenerationConfig(6), policy=policy))
+    stats = AnswerStats()
+    for ev in events:
+        stats.add(ev)
     steps = len(events) - 1  # the first token comes from the prefill
     extra = 0 if fused else sum(b - a for a, b in tiny_m2r2.config.intervals())
-    assert stats["layer_passes"] == steps * (8 + extra)
+    assert [ev.layer_passes for ev in events] == [0] + [8 + extra] * steps  # each token carries its own cost
+    assert stats.layer_passes == steps * (8 + extra)
 
 
 def test_exit_head_over_a_vocabulary_subset(lm, tiny_m2r2):
@@ -195,12 +220,23 @@ def test_exit_head_over_a_vocabulary_subset(lm, tiny_m2r2):
     assert spread.shape == (lm.config["vocab_size"],) and int(mx.argmax(spread).item()) in ids
     assert mx.isinf(spread).sum().item() == lm.config["vocab_size"] - len(ids)
     for prompt in PROMPTS[:2]:
-        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=12)]
-        never = list(early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=1.01, max_tokens=12, exit_head=head))
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, GenerationConfig(12))]
+        never = list(
+            early_exit_generate(
+                tiny_m2r2, lm.tokenizer, prompt, GenerationConfig(12), policy=ExitPolicy(tau=1.01, exit_head=head)
+            )
+        )
         assert [e.token for e in never] == plain
         cache = PromptCache(model)
         always = list(
-            early_exit_generate(tiny_m2r2, lm.tokenizer, prompt, tau=0.0, max_tokens=12, exit_head=head, cache=cache)
+            early_exit_generate(
+                tiny_m2r2,
+                lm.tokenizer,
+                prompt,
+                GenerationConfig(12),
+                policy=ExitPolicy(tau=0.0, exit_head=head),
+                cache=cache,
+            )
         )
         assert all(e.token in ids and e.exit_layer == 2 for e in always[1:])
         assert_cache_is_full_models(model, cache)

@@ -7,7 +7,8 @@ import sys
 
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.arla import ARLA, ARLARule
-from m2r2_mlx.decoding.early_exit import early_exit_generate
+from m2r2_mlx.decoding.config import GenerationConfig
+from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.training.exit_decisions import collect_features, roc_auc, train_exit_decisions
 
@@ -85,10 +86,18 @@ def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
     h = mx.random.normal((1, 64))
     assert ARLARule(loaded.arla)(None, h, 0, []) == pytest.approx(ARLARule(m.arla)(None, h, 0, []), abs=1e-6)
     tok = EosAs(lm.tokenizer, 10**6)
-    plain = [e.token for e in generate(base.model, tok, [3, 4, 5], max_tokens=10)]
-    never = list(early_exit_generate(loaded, tok, [3, 4, 5], tau=1.01, rule=ARLARule(loaded.arla), max_tokens=10))
+    plain = [e.token for e in generate(base.model, tok, [3, 4, 5], GenerationConfig(10))]
+    never = list(
+        early_exit_generate(
+            loaded, tok, [3, 4, 5], GenerationConfig(10), policy=ExitPolicy(tau=1.01, rule=ARLARule(loaded.arla))
+        )
+    )
     assert [e.token for e in never] == plain
-    always = list(early_exit_generate(loaded, tok, [3, 4, 5], tau=0.0, rule=ARLARule(loaded.arla), max_tokens=10))
+    always = list(
+        early_exit_generate(
+            loaded, tok, [3, 4, 5], GenerationConfig(10), policy=ExitPolicy(tau=0.0, rule=ARLARule(loaded.arla))
+        )
+    )
     assert {e.exit_layer for e in always[1:]} == {2}
 
 
@@ -272,15 +281,16 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
 
 def test_exit_rule_follows_the_measured_auc(tiny):
     """Early exit uses ARLA only where it separated right from wrong exits better than confidence on average."""
+    from m2r2_mlx.core.config import AdapterMetrics
     from m2r2_mlx.decoding.decoders import exit_rule
     from m2r2_mlx.decoding.early_exit import confidence
 
     _, m = tiny
-    extra = m.config.extra
+    metrics = m.config.metrics
     try:
-        m.config.extra = {"exit_auc": {"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.86]}}}
+        m.config.metrics = AdapterMetrics(exit_auc={"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.86]}})
         assert isinstance(exit_rule(m), ARLARule)  # mean 0.825 > 0.82
-        m.config.extra = {"exit_auc": {"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.84]}}}
+        m.config.metrics = AdapterMetrics(exit_auc={"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.84]}})
         assert exit_rule(m) is confidence
     finally:
-        m.config.extra = extra
+        m.config.metrics = metrics

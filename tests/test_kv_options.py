@@ -9,12 +9,15 @@ import sys
 
 from m2r2_mlx.core.hub import packaged_adapters
 from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.config import GenerationConfig, KVConfig
+from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.options import DecodingOptions
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-from m2r2_server.cli import build_parser, defaults_from
+from m2r2_server.cli import build_parser
 from m2r2_server.protocol import RequestError, parse_request
 from m2r2_server.worker import ModelWorker
 from tests.conftest import FRANCE
@@ -22,7 +25,7 @@ from tests.conftest import FRANCE
 
 def _tokens(lm, prompt, n, **cache_options):
     cache = PromptCache(lm.model, **cache_options)
-    return [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, cache=cache, max_tokens=n)], cache
+    return [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, GenerationConfig(n), cache=cache)], cache
 
 
 @pytest.mark.slow
@@ -48,9 +51,9 @@ def test_rotating_cache_decodes_past_its_size(lm):
 
 @pytest.mark.slow
 def test_chat_turns_with_a_rotating_cache(lm):
-    session = ChatSession(lm, max_kv_size=48)
-    first = "".join(ev.text for ev in session.send(FRANCE, max_tokens=30))
-    second = "".join(ev.text for ev in session.send("And of Italy?", max_tokens=12))  # wrapped: recomputed
+    session = ChatSession(lm, kv=KVConfig(max_kv_size=48))
+    first = "".join(ev.text for ev in session.send(FRANCE, GenerationConfig(30)))
+    second = "".join(ev.text for ev in session.send("And of Italy?", GenerationConfig(12)))  # wrapped: recomputed
     assert "Paris" in first and "Rome" in second
 
 
@@ -81,7 +84,7 @@ def test_bad_kv_options_are_one_line(args, message):
 
 
 def test_server_refuses_a_mode_its_kv_cache_does_not_serve():
-    defaults = defaults_from(build_parser().parse_args(["--kv-bits", "4"]))
+    defaults = DecodingOptions.from_values(vars(build_parser().parse_args(["--kv-bits", "4"])))
     worker = ModelWorker(lambda: None, packaged_adapters("smollm2"), defaults)  # not started: submit only queues
     body = {"messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(RequestError, match="--kv-bits works with --mode plain only") as e:

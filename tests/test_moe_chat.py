@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from textual.widgets import Static
 
 from m2r2_tui.app import ChatApp
-from tests.test_tui import _args, _ask
+from tests.test_tui import _ask, _setup
 from tests.tiny import tiny_model
 
 EXE = shutil.which("m2r2-chat")
@@ -101,7 +101,7 @@ def test_chat_panel_shows_expert_hit_rate_and_budget(moe_folder, tmp_path, monke
     monkeypatch.setenv("M2R2_HOME", str(tmp_path))
 
     async def run():
-        app = ChatApp(_args("--model", str(moe_folder), "--memory-budget", "25%", "--max-tokens", "6"))
+        app = ChatApp(_setup("--model", str(moe_folder), "--memory-budget", "25%", "--max-tokens", "6"))
         async with app.run_test(size=(120, 40)) as pilot:
             await _ask(pilot, app, "Hello there")
             stats = str(app.query_one("#stats", Static).render())

@@ -3,6 +3,7 @@ layer at a time, and the model answers with the same tokens as when loaded whole
 
 from __future__ import annotations
 
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe.serve import serve_with_budget, store_folder
@@ -12,7 +13,7 @@ from tests.test_moe_chat import moe_folder  # noqa: F401  (the fixture: a tiny O
 
 def _answer(lm, n: int = 12) -> list[int]:
     prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)
-    return [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, max_tokens=n)]
+    return [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, GenerationConfig(n))]
 
 
 def test_lazy_load_within_a_budget_gives_the_same_tokens(moe_folder, tmp_path, monkeypatch, capsys):  # noqa: F811

@@ -14,10 +14,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from m2r2_mlx.core.hub import packaged_adapters
+from m2r2_mlx.decoding.options import DecodingOptions
 
 import pytest
 
-from m2r2_server.cli import build_parser, defaults_from
+from m2r2_server.cli import build_parser
 from m2r2_server.handler import Server
 from m2r2_server.worker import ModelWorker
 
@@ -36,7 +37,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def server(lm):
     """The server in this process, on a free port, serving the session's model."""
-    defaults = defaults_from(build_parser().parse_args(["--max-tokens", "24"]))
+    defaults = DecodingOptions.from_values(vars(build_parser().parse_args(["--max-tokens", "24"])))
     worker = ModelWorker(lambda: lm, packaged_adapters("smollm2"), defaults, max_queue=16)
     worker.start()
     srv = Server(("127.0.0.1", 0), worker, defaults, lm.name)

@@ -1,10 +1,13 @@
 """Self-speculative decoding is lossless: greedy output identical to plain greedy decoding."""
 
 from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
+from m2r2_mlx.decoding.stats import AnswerStats
 
 import mlx.core as mx
 import numpy as np
@@ -30,16 +33,15 @@ def tiny_m2r2(lm):
 def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
     model, tok = tiny_m2r2.base, lm.tokenizer
     for prompt in _prompts(6, seed=gate_index * 10 + max_draft):
-        plain = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
-        stats = {}
-        spec = list(
-            speculative_generate(
-                model, tok, prompt, LayerDrafter(tiny_m2r2, gate_index), max_tokens=30, max_draft=max_draft, stats=stats
-            )
-        )
+        plain = [e.token for e in generate(model, tok, prompt, GenerationConfig(30))]
+        drafter = LayerDrafter(tiny_m2r2, gate_index)
+        spec = list(speculative_generate(model, tok, prompt, drafter, GenerationConfig(30), max_draft=max_draft))
+        stats = AnswerStats()
+        for ev in spec:
+            stats.add(ev)
         assert [e.token for e in spec] == plain
-        assert sum(stats["accepted"]) + 1 == len(spec)  # every token but the prefill's came from a round
-        assert all(1 <= a <= max_draft + 1 for a in stats["accepted"])
+        assert sum(stats.accept_lengths) + 1 == len(spec)  # every token but the prefill's came from a round
+        assert all(1 <= a <= max_draft + 1 for a in stats.accept_lengths)
         assert all(e.exit_layer == tiny_m2r2.config.gates[gate_index] for e in spec if e.drafted)
 
 
@@ -47,11 +49,13 @@ def test_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
     model = tiny_m2r2.base
     checked = 0
     for prompt in _prompts(12, seed=42):
-        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=30)]
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, GenerationConfig(30))]
         eos = plain[len(plain) // 2]  # a token the model does emit mid-answer becomes the end
         tok = EosAs(lm.tokenizer, eos)
-        want = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
-        got = list(speculative_generate(model, tok, prompt, LayerDrafter(tiny_m2r2, 2), max_tokens=30, max_draft=7))
+        want = [e.token for e in generate(model, tok, prompt, GenerationConfig(30))]
+        got = list(
+            speculative_generate(model, tok, prompt, LayerDrafter(tiny_m2r2, 2), GenerationConfig(30), max_draft=7)
+        )
         assert [e.token for e in got] == want
         assert got[-1].token == eos and got[-1].finish_reason == "stop"
         checked += 1
@@ -62,10 +66,10 @@ def test_cache_after_speculation_matches_plain(lm, tiny_m2r2):
     model = tiny_m2r2.base
     prompt = _prompts(1, seed=5)[0]
     c1, c2 = PromptCache(model), PromptCache(model)
-    list(generate(model, lm.tokenizer, prompt, cache=c1, max_tokens=25))
+    list(generate(model, lm.tokenizer, prompt, GenerationConfig(25), cache=c1))
     list(
         speculative_generate(
-            model, lm.tokenizer, prompt, LayerDrafter(tiny_m2r2, 1), cache=c2, max_tokens=25, max_draft=5
+            model, lm.tokenizer, prompt, LayerDrafter(tiny_m2r2, 1), GenerationConfig(25), cache=c2, max_draft=5
         )
     )
     # the plain loop feeds its last token ahead of time; compare the common positions
@@ -80,7 +84,7 @@ def test_cache_after_speculation_matches_plain(lm, tiny_m2r2):
 def test_every_drafter_is_lossless(lm, tiny_m2r2, kind):
     model, tok = tiny_m2r2.base, lm.tokenizer
     prompts = [p + p for p in _prompts(5, seed=3)]  # repeats give prompt lookup something to find
-    plains = [[e.token for e in generate(model, tok, p, max_tokens=30)] for p in prompts]
+    plains = [[e.token for e in generate(model, tok, p, GenerationConfig(30))] for p in prompts]
     emitted = sorted({t for p in plains for t in p})  # the trimmed head covers the tokens the model emits
     drafter = {
         "layerskip": LayerDrafter(tiny_m2r2, 1, adapters=False),
@@ -90,7 +94,7 @@ def test_every_drafter_is_lossless(lm, tiny_m2r2, kind):
     }[kind]
     drafted = 0
     for prompt, plain in zip(prompts, plains):
-        spec = list(speculative_generate(model, tok, prompt, drafter, max_tokens=30, max_draft=4))
+        spec = list(speculative_generate(model, tok, prompt, drafter, GenerationConfig(30), max_draft=4))
         assert [e.token for e in spec] == plain
         drafted += sum(e.drafted for e in spec)
     if kind != "threshold":
@@ -138,5 +142,7 @@ def test_threshold_cuts_drafts_and_stays_lossless(lm, tiny_m2r2, drop_unsure):
     else:
         assert min(lengths) >= 1 and max(lengths) > 1  # the unsure draft is still proposed; sure ones go on
     for p in prompts[:3]:
-        plain = [e.token for e in generate(model, tok, p, max_tokens=20)]
-        assert [e.token for e in speculative_generate(model, tok, p, drafter, max_tokens=20, max_draft=4)] == plain
+        plain = [e.token for e in generate(model, tok, p, GenerationConfig(20))]
+        assert [
+            e.token for e in speculative_generate(model, tok, p, drafter, GenerationConfig(20), max_draft=4)
+        ] == plain

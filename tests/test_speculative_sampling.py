@@ -11,8 +11,9 @@ skips the rejection step must not (the test can fail).
 
 import m2r2_mlx.decoding.speculative as speculative
 from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.decoding.generate import PromptCache
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
 from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
 
@@ -61,17 +62,15 @@ def exact_joint(model, s: Sampling) -> np.ndarray:
 def sampled_joint(model, tok, decoder, s: Sampling) -> np.ndarray:
     counts = np.zeros((V, V, V))
     mx.random.seed(2024)
-    options = dict(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty
-    )
+    generation = GenerationConfig(4, s)
     for _ in range(N):
-        toks = [e.token for e in decoder(PROMPT, max_tokens=4, **options)]
+        toks = [e.token for e in decoder(PROMPT, None, generation)]
         counts[tuple(toks[:3])] += 1
     return counts / N
 
 
 def chain(model, tok, drafter):
-    return lambda prompt, **kw: speculative_generate(model, tok, prompt, drafter, max_draft=2, **kw)
+    return lambda prompt, cache, generation: speculative_generate(model, tok, prompt, drafter, generation, max_draft=2)
 
 
 def tv_bound(p: np.ndarray) -> float:
@@ -114,11 +113,10 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
         "tree lookup+m2r2 cost planner": Speculator(
             model,
             tok,
-            [PromptLookupDrafter(), LayerDrafter(m2r2, 0)],
+            [PromptLookupDrafter(prior=0.9), LayerDrafter(m2r2, 0, prior=0.9)],
             max_draft=2,
             width=2,
             policy="cost",
-            priors={"lookup": 0.9, "fast": 0.9},
         ),
     }
     if s.top_k or s.reads_history:  # the new options: the trees carry the weight

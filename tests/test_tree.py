@@ -5,10 +5,12 @@ The planner's arithmetic and the speculative options' checks are tested here too
 import math
 
 from m2r2_mlx.core.adapters import new_m2r2
+from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.decoding.generate import PromptCache, generate
+from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.policy import Acceptance, Planner, StepCosts
+from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.decoding.tree import DraftTree
@@ -88,14 +90,19 @@ def tiny_m2r2(lm):
 
 def engines(m2r2, tok):
     model = m2r2.base
-    both = lambda: [PromptLookupDrafter(), LayerDrafter(m2r2, 0)]  # noqa: E731
+    both = lambda prior=None: [PromptLookupDrafter(prior=prior or 0.5), LayerDrafter(m2r2, 0, prior=prior)]  # noqa: E731
     return {
         "width 3, always": Speculator(model, tok, [LayerDrafter(m2r2, 1)], max_draft=5, width=3, policy="always"),
         "hybrid, always": Speculator(model, tok, both(), max_draft=6, width=2, policy="always"),
-        "hybrid, cost": Speculator(
-            model, tok, both(), max_draft=8, width=3, policy="cost", priors={"lookup": 0.9, "fast": 0.9}
-        ),
+        "hybrid, cost": Speculator(model, tok, both(prior=0.9), max_draft=8, width=3, policy="cost"),
     }
+
+
+def collect(events) -> AnswerStats:
+    stats = AnswerStats()
+    for ev in events:
+        stats.add(ev)
+    return stats
 
 
 def test_trees_and_hybrid_drafting_are_greedy_exact(lm, tiny_m2r2):
@@ -104,12 +111,12 @@ def test_trees_and_hybrid_drafting_are_greedy_exact(lm, tiny_m2r2):
         drafted = 0
         for prompt in _prompts(4, seed=len(name)):
             prompt = prompt + prompt[:6]  # a repeat: lookup has something to copy
-            plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=30)]
-            stats = {}
-            got = list(engine(prompt, max_tokens=30, stats=stats))
+            plain = [e.token for e in generate(model, lm.tokenizer, prompt, GenerationConfig(30))]
+            got = list(engine(prompt, None, GenerationConfig(30)))
+            stats = collect(got)
             assert [e.token for e in got] == plain, name
-            drafted += sum(stats["drafted_by"].values())
-            assert sum(stats["accepted"]) + 1 == len(got)
+            drafted += sum(stats.drafted_by.values())
+            assert sum(stats.accept_lengths) + 1 == len(got)
             assert all(e.source in ("lookup", "fast") for e in got if e.drafted)
         assert drafted > 0, f"{name}: no draft was ever accepted, so nothing was tested"
 
@@ -118,11 +125,11 @@ def test_tree_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
     model = tiny_m2r2.base
     for prompt in _prompts(6, seed=77):
         prompt = prompt + prompt[:5]
-        plain = [e.token for e in generate(model, lm.tokenizer, prompt, max_tokens=30)]
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, GenerationConfig(30))]
         tok = EosAs(lm.tokenizer, plain[len(plain) // 2])
-        want = [e.token for e in generate(model, tok, prompt, max_tokens=30)]
+        want = [e.token for e in generate(model, tok, prompt, GenerationConfig(30))]
         for engine in engines(tiny_m2r2, tok).values():
-            got = list(engine(prompt, max_tokens=30))
+            got = list(engine(prompt, None, GenerationConfig(30)))
             assert [e.token for e in got] == want and got[-1].finish_reason == "stop"
 
 
@@ -191,8 +198,8 @@ def test_acceptance_learns_and_forgets():
         (dict(max_draft=0), "at least 1"),
         (dict(threshold=float("nan")), "[0, 1]"),
         (dict(threshold=-0.1), "[0, 1]"),
-        (dict(width=0), "tree width"),
-        (dict(width=99), "tree width"),
+        (dict(tree_width=0), "tree width"),
+        (dict(tree_width=99), "tree width"),
         (dict(gate=5), "not one of the adapters' gates"),
         (dict(drafter="magic"), "unknown drafter"),
         (dict(policy="sometimes"), "unknown drafting policy"),
@@ -200,7 +207,7 @@ def test_acceptance_learns_and_forgets():
 )
 def test_bad_speculative_options_are_one_line(lm, options, says):
     with pytest.raises(M2R2Error, match=None) as e:
-        make_decoder(lm, "speculative", **options)
+        make_decoder(lm, DecodeConfig("speculative", **options))
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
@@ -210,10 +217,10 @@ def test_greedy_exact_under_a_repetition_penalty(lm, tiny_m2r2):
     model = tiny_m2r2.base
     for prompt in _prompts(3, seed=5):
         prompt = prompt + prompt[:6]
-        options = dict(max_tokens=30, repetition_penalty=1.3, repetition_context_size=8)
-        plain = [e.token for e in generate(model, lm.tokenizer, prompt, **options)]
+        generation = GenerationConfig.create(30, repetition_penalty=1.3, repetition_context_size=8)
+        plain = [e.token for e in generate(model, lm.tokenizer, prompt, generation)]
         for name, engine in engines(tiny_m2r2, lm.tokenizer).items():
-            assert [e.token for e in engine(prompt, **options)] == plain, name
+            assert [e.token for e in engine(prompt, None, generation)] == plain, name
 
 
 def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
@@ -222,16 +229,17 @@ def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
     and each stretch step counts as one token per step."""
     model = tiny_m2r2.base
     both = lambda: [PromptLookupDrafter(), LayerDrafter(tiny_m2r2, 0)]  # noqa: E731
-    never = Speculator(model, lm.tokenizer, both(), policy="cost", priors={"lookup": 0.0, "fast": 0.0})
+    never = Speculator(model, lm.tokenizer, both(), policy="cost")
+    never.acceptance.priors = {"lookup": 0.0, "fast": 0.0}
     never.acceptance.strength = 1e6  # so sure that drafting never pays that it is never tried
     for prompt in _prompts(3, seed=11):
         prompt = prompt + prompt[:6]
-        for options in (dict(max_tokens=25), dict(max_tokens=25, repetition_penalty=1.3, repetition_context_size=8)):
-            plain = [e.token for e in generate(model, lm.tokenizer, prompt, **options)]
-            stats = {}
-            got = list(never(prompt, stats=stats, **options))
+        for options in (dict(), dict(repetition_penalty=1.3, repetition_context_size=8)):
+            generation = GenerationConfig.create(25, **options)
+            plain = [e.token for e in generate(model, lm.tokenizer, prompt, generation)]
+            got = list(never(prompt, None, generation))
             assert [e.token for e in got] == plain and not any(e.drafted for e in got)
-            assert stats["accepted"] == [1] * (len(got) - 1) and got[-1].finish_reason == "length"
+            assert collect(got).accept_lengths == [1] * (len(got) - 1) and got[-1].finish_reason == "length"
     assert set(never.costs.verify) == {1, 2, 4, 8}  # calibration, then plain steps only
 
 
@@ -239,10 +247,8 @@ def test_events_name_their_drafter_and_the_plan(lm, tiny_m2r2):
     """What the chat shows: each accepted draft's drafter (lookup copies italic) and the engine's live choice."""
     engine = engines(tiny_m2r2, lm.tokenizer)["hybrid, always"]
     prompt = _prompts(1, seed=9)[0] * 3
-    stats = AnswerStats()
-    events = list(engine(prompt, max_tokens=30))
-    for ev in events:
-        stats.add(ev)
+    events = list(engine(prompt, None, GenerationConfig(30)))
+    stats = collect(events)
     assert stats.drafted > 0 and sum(stats.drafted_by.values()) == stats.drafted
     assert stats.plan and all(ev.plan for ev in events[1:])
     lookup = next(ev for ev in events if ev.source == "lookup")

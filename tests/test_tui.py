@@ -1,18 +1,18 @@
 """The Textual chat, driven with Pilot on the real default model."""
 
-import argparse
 import asyncio
 
 import pytest
 from textual.widgets import Markdown, Static
 
 from m2r2_tui.app import ChatApp
-from m2r2_tui.chat import build_parser
+from m2r2_tui.chat import build_parser, chat_setup
 from m2r2_tui.composer import Composer
 
 
-def _args(*argv) -> argparse.Namespace:
-    return build_parser().parse_args(["--max-tokens", "40", *argv])
+def _setup(*argv):
+    """What m2r2-chat runs for these flags."""
+    return chat_setup(vars(build_parser().parse_args(["--max-tokens", "40", *argv])))
 
 
 async def _wait(pilot, cond, timeout=120.0):
@@ -40,7 +40,7 @@ async def _ask(pilot, app, text):
 
 def test_chat_answers_and_shows_stats(lm):
     async def run():
-        app = ChatApp(_args(), lm=lm)
+        app = ChatApp(_setup(), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
             await _ask(pilot, app, "What is the capital of France?")
             answer = str(_answers(app)[-1].render())
@@ -68,7 +68,7 @@ async def _ask_command(pilot, app, text):
 
 def test_escape_cancels_and_input_unlocks(lm):
     async def run():
-        app = ChatApp(_args("--max-tokens", "400"), lm=lm)
+        app = ChatApp(_setup("--max-tokens", "400"), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
             box = app.query_one("#input", Composer)
             await _wait(pilot, lambda: not box.disabled)
@@ -88,7 +88,7 @@ def test_escape_cancels_and_input_unlocks(lm):
 
 def test_save_and_load_commands(lm, tmp_path):
     async def run():
-        app = ChatApp(_args(), lm=lm)
+        app = ChatApp(_setup(), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
             await _ask(pilot, app, "What is the capital of France?")
             target = tmp_path / "c.json"
@@ -107,7 +107,7 @@ def test_save_and_load_commands(lm, tmp_path):
 @pytest.mark.slow
 def test_modes_switch_live_and_keep_the_conversation(lm):
     async def run():
-        app = ChatApp(_args("--max-tokens", "24"), lm=lm)
+        app = ChatApp(_setup("--max-tokens", "24"), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
             await _ask(pilot, app, "What is the capital of France?")
             plain_answer = app.session.last_answer
@@ -139,7 +139,7 @@ def test_modes_switch_live_and_keep_the_conversation(lm):
 
 def test_multiline_message_and_markdown_answer(lm):
     async def run():
-        app = ChatApp(_args("--max-tokens", "24"), lm=lm)
+        app = ChatApp(_setup("--max-tokens", "24"), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
             box = app.query_one("#input", Composer)
             await _wait(pilot, lambda: not box.disabled)

@@ -10,7 +10,7 @@ Update after an intended UI change with: pytest tests/test_tui_snapshots.py --sn
 
 from types import SimpleNamespace
 
-import m2r2_mlx.decoding.generate as generate_module
+import m2r2_mlx.decoding.events as events_module
 from m2r2_mlx.models.blas import BlasInfo
 
 import mlx.core as mx
@@ -18,7 +18,7 @@ import pytest
 
 import m2r2_tui.app as app_module
 from m2r2_tui.app import ChatApp
-from m2r2_tui.chat import build_parser
+from m2r2_tui.chat import build_parser, chat_setup
 from m2r2_tui.composer import Composer
 
 from .test_tui import _ask
@@ -29,13 +29,13 @@ SIZE = (110, 30)
 @pytest.fixture
 def steady(monkeypatch):
     ticks = iter(range(10**9))
-    monkeypatch.setattr(generate_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 0.05))
+    monkeypatch.setattr(events_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 0.05))
     monkeypatch.setattr(app_module, "blas_info", lambda: BlasInfo("openblas", None, ""))
     monkeypatch.setattr(mx, "get_peak_memory", lambda: 600_000_000)
 
 
 def _app(lm, *argv):
-    return ChatApp(build_parser().parse_args(["--max-tokens", "12", *argv]), lm=lm)
+    return ChatApp(chat_setup(vars(build_parser().parse_args(["--max-tokens", "12", *argv]))), lm=lm)
 
 
 def _steady_cursor(pilot):

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+from m2r2_mlx.decoding.decoders import LIVE_MODES
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.blas import blas_info
@@ -25,16 +26,14 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Label, Markdown, Sparkline, Static
 
 from .composer import Composer
-from .options import check_cache_options
 from .render import legend, token_text
-from .session import generation_options, make_decoder, make_session
+from .session import ChatSetup, decoder_for, make_session
 
 HELP = (
     "Enter sends, Ctrl+J new line · F2 next mode · F3/F4 tau -/+ · F5 Markdown/exit colours · "
     "/mode plain|speculative|early-exit · /tau X · /regen  answer again · "
     "/reset  new conversation · /save FILE (/save! FILE overwrites) · /load FILE · /copy  copy last answer · /quit"
 )
-LIVE_MODES = ("plain", "speculative", "early-exit")  # what F2 cycles through
 
 
 class MLXThread:
@@ -85,9 +84,9 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
-    def __init__(self, args, lm=None) -> None:
+    def __init__(self, setup: ChatSetup, lm=None) -> None:
         super().__init__()
-        self.args = args
+        self.setup = setup
         self.lm = lm
         self.session = None
         self.streaming = False
@@ -109,7 +108,7 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = f"{self.args.model} · {self.args.mode}"
+        self.sub_title = f"{self.setup.model} · {self.setup.mode}"
         self.mlx.submit(self._job_load)
 
     def on_unmount(self) -> None:
@@ -121,8 +120,8 @@ class ChatApp(App):
 
     def _job_load(self) -> None:
         try:
-            lm = self.lm or load_model(self.args.model, lazy=self.args.memory_budget is not None)
-            self.session = make_session(self.args, lm)
+            lm = self.lm or load_model(self.setup.model, lazy=self.setup.experts is not None)
+            self.session = make_session(self.setup, lm)
         except M2R2Error as e:
             self.call_from_thread(self._post, f"error: {e}", "notice")
             return
@@ -136,10 +135,14 @@ class ChatApp(App):
         self._unlock_input()
 
     def _show_mode(self) -> None:
-        tau = f" · tau {self.args.tau:.2f}" if self.args.mode == "early-exit" else ""
-        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.args.mode}{tau}"
-        depths = getattr(self.session.decode, "exit_layers", [self.lm.num_layers])
+        tau = f" · tau {self.setup.options.decode.tau:.2f}" if self.setup.mode == "early-exit" else ""
+        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.setup.mode}{tau}"
+        depths = self.session.decode.exit_layers
         self.query_one("#legend", Static).update(legend(depths, self.lm.num_layers))
+
+    def _mode_text(self) -> str:
+        mode = self.setup.mode
+        return mode + (f" (tau {self.setup.options.decode.tau:.2f})" if mode == "early-exit" else "")
 
     # ---- live mode switching: the conversation and its cache carry over ----------------------
     def switch_mode(self, mode: str, tau: float | None = None) -> None:
@@ -151,36 +154,32 @@ class ChatApp(App):
         if mode not in LIVE_MODES:
             self._post(f"error: unknown mode {mode!r}; choose one of {', '.join(LIVE_MODES)}", "notice")
             return
-        old = (self.args.mode, self.args.tau)
-        self.args.mode = mode
-        self.args.tau = self.args.tau if tau is None else min(max(tau, 0.0), 1.01)
-        self.mlx.submit(lambda: self._job_switch(old))
+        tau = None if tau is None else min(max(tau, 0.0), 1.01)
+        self.mlx.submit(lambda: self._job_switch(mode, tau))
 
-    def _job_switch(self, old) -> None:
+    def _job_switch(self, mode: str, tau: float | None) -> None:
         """Runs on the MLX thread: a new decoder for the same session (history and cache kept)."""
-        a = self.args
-        try:
-            check_cache_options(vars(a))  # a KV cache shaped by --max-kv-size/--kv-bits serves plain mode only
-            decoder = make_decoder(a, self.lm)
+        try:  # a KV cache shaped by --max-kv-size/--kv-bits serves plain mode only: with_mode refuses the others
+            setup = self.setup.with_mode(mode, tau)
+            decoder = decoder_for(setup, self.lm)
         except M2R2Error as e:
-            a.mode, a.tau = old
             self.call_from_thread(self._post, f"error: {e}", "notice")
             return
-        self.session.decode = decoder
-        self.call_from_thread(self._mode_switched)
+        self.session.decode = decoder  # here, before the next job on this thread
+        self.call_from_thread(self._mode_switched, setup)
 
-    def _mode_switched(self) -> None:
+    def _mode_switched(self, setup: ChatSetup) -> None:
+        self.setup = setup
         self._show_mode()
-        self.notify(
-            f"mode: {self.args.mode}" + (f" (tau {self.args.tau:.2f})" if self.args.mode == "early-exit" else "")
-        )
+        self.notify(f"mode: {self._mode_text()}")
 
     def action_next_mode(self) -> None:
-        i = LIVE_MODES.index(self.args.mode) if self.args.mode in LIVE_MODES else -1
+        mode = self.setup.mode
+        i = LIVE_MODES.index(mode) if mode in LIVE_MODES else -1
         self.switch_mode(LIVE_MODES[(i + 1) % len(LIVE_MODES)])
 
     def action_tau(self, delta: float) -> None:
-        self.switch_mode("early-exit", round(self.args.tau + delta, 2))
+        self.switch_mode("early-exit", round(self.setup.options.decode.tau + delta, 2))
 
     # ---- helpers ------------------------------------------------------------------------
     def _post(self, text: str | Text, classes: str = "") -> Static:
@@ -210,7 +209,7 @@ class ChatApp(App):
     def _update_stats(self, s: AnswerStats) -> None:
         accepted = s.accepted_per_step
         self.query_one("#stats", Static).update(
-            f"mode     {self.args.mode:>14s}\n"
+            f"mode     {self.setup.mode:>14s}\n"
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
             f"tokens         {s.tokens:8d}\n"
             f"accepted/step  {accepted:8.2f}\n"
@@ -243,7 +242,7 @@ class ChatApp(App):
             self._run_command(text)
             return
         self._post(Text(f"you › {text}"), "user")
-        self._start_answer(lambda: self.session.send(text, **generation_options(self.args)))
+        self._start_answer(lambda: self.session.send(text, self.setup.options.generation))
 
     def _start_answer(self, make_stream: Callable[[], Iterator]) -> None:
         self.streaming = True
@@ -303,7 +302,7 @@ class ChatApp(App):
         if self.session is None or self.streaming:
             return
         try:
-            stream = self.session.regenerate(**generation_options(self.args))
+            stream = self.session.regenerate(self.setup.options.generation)
         except M2R2Error as e:
             self._post(f"error: {e}", "notice")
             return

@@ -13,15 +13,15 @@ import argparse
 import sys
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.core.hub import resolve_model_and_adapters
+from m2r2_mlx.decoding.decoders import resolve_for_mode
+from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
 
 from .app import ChatApp
-from .options import add_options, check_options
-from .session import generation_options, make_session
+from .session import ChatSetup, ExpertBudget, make_session
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,21 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Values in range, then the model and adapters decided from their names: a mode that needs adapters the
-    model has none of fails here, before any download."""
-    check_options(vars(args))
-    if args.prompt == "-":
-        args.prompt = sys.stdin.read()
-    args.model, folder = resolve_model_and_adapters(args.model, args.adapters, args.mode)
-    args.adapters = None if folder is None else str(folder)
+def chat_setup(values: dict) -> ChatSetup:
+    """From the command line's values: options in range, then the model and adapters decided from their names (a
+    mode that needs adapters the model has none of fails here, before any download)."""
+    options = DecodingOptions.from_values(values)
+    model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
+    experts = None
+    if values["memory_budget"] is not None:
+        experts = ExpertBudget(values["memory_budget"], values["expert_predictor"], values["link_gbps"])
+    return ChatSetup(model, None if folder is None else str(folder), options, values["system_prompt"], experts)
 
 
-def one_shot(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, lazy=args.memory_budget is not None)  # within a budget: experts never all read
-    session = make_session(args, lm)
+def one_shot(setup: ChatSetup, prompt: str) -> int:
+    lm = load_model(setup.model, lazy=setup.experts is not None)  # within a budget: experts never all read
+    session = make_session(setup, lm)
     stats = AnswerStats()
-    for ev in session.send(args.prompt, **generation_options(args)):
+    for ev in session.send(prompt, setup.options.generation):
         stats.add(ev)
         sys.stdout.write(ev.text)
         sys.stdout.flush()
@@ -89,19 +90,19 @@ def one_shot(args: argparse.Namespace) -> int:
         c = session.expert_cache.stats
         experts = f" | experts: {c.hit_rate:.0%} hit, {c.bytes_per_token / 1e6:.2f} MB/token moved"
         session.expert_cache.close()  # stop the expert loader thread
-    print(f"[{lm.name} | {args.mode} | {stats.summary()}{experts} | {blas_info().name} BLAS]", file=sys.stderr)
+    print(f"[{lm.name} | {setup.mode} | {stats.summary()}{experts} | {blas_info().name} BLAS]", file=sys.stderr)
     return 0
 
 
 def _main() -> int:
     args = build_parser().parse_args()
-    check_args(args)
+    setup = chat_setup(vars(args))
     if args.prompt is not None:
-        return one_shot(args)
-    resolve_model_path(args.model)  # bad names fail here with one line; a first import shows progress
+        return one_shot(setup, sys.stdin.read() if args.prompt == "-" else args.prompt)
+    resolve_model_path(setup.model)  # bad names fail here with one line; a first import shows progress
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise M2R2Error('no terminal to draw the chat in; pass --prompt "..." for a one-shot answer')
-    ChatApp(args).run()
+    ChatApp(setup).run()
     return 0
 
 

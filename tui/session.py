@@ -1,39 +1,59 @@
-"""From m2r2-chat's options to a decoder and a chat session: shared by the one-shot mode and the Textual app
-(which also rebuilds the decoder when the mode or tau changes live)."""
+"""What m2r2-chat runs: a ``ChatSetup`` (the model and adapters named, the decoding options, an expert budget)
+and the chat session it makes; shared by the one-shot mode and the Textual app, which also rebuilds the decoder
+when the mode or tau changes live."""
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, replace
 
 from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.decoders import make_decoder as decoder_for
+from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.options import DecodingOptions
+from m2r2_mlx.decoding.protocols import Decoder
 from m2r2_mlx.moe.serve import serve_with_budget
 
-from . import options
+
+@dataclass(frozen=True)
+class ExpertBudget:
+    """MoE models within a memory budget (``--memory-budget``): who loads experts ahead of time, and an emulated
+    link's speed."""
+
+    budget: str
+    predictor: str = "pregating"
+    link_gbps: float | None = None
 
 
-def generation_options(args: argparse.Namespace) -> dict:
-    return options.generation_options(vars(args))
+@dataclass(frozen=True)
+class ChatSetup:
+    model: str  # resolved from the names given (hub.resolve_model_and_adapters)
+    adapters: str | None = None  # an adapters folder
+    options: DecodingOptions = DecodingOptions()
+    system_prompt: str | None = None
+    experts: ExpertBudget | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.options.decode.mode
+
+    def with_mode(self, mode: str, tau: float | None = None) -> "ChatSetup":
+        return replace(self, options=self.options.with_mode(mode, tau))
 
 
-def make_decoder(args: argparse.Namespace, lm):
-    """The decoder the options name (also when the TUI switches mode or tau)."""
-    return decoder_for(lm, args.mode, args.adapters, **options.decoder_options(vars(args)))
+def decoder_for(setup: ChatSetup, lm) -> Decoder:
+    """The decoder the setup names (also when the app switches mode or tau)."""
+    return make_decoder(lm, setup.options.decode, setup.adapters)
 
 
-def make_session(args: argparse.Namespace, lm):
-    decoder = make_decoder(args, lm)
+def make_session(setup: ChatSetup, lm) -> ChatSession:
+    decoder = decoder_for(setup, lm)
     expert_cache = None
     # the budget after the decoder: the M2R2 predictor wraps the layers, which would rename the projections
     # LoRA adapters attach to
-    if args.memory_budget is not None:
+    if setup.experts is not None:
+        e = setup.experts
         expert_cache = serve_with_budget(
-            lm, args.memory_budget, predictor=args.expert_predictor, adapters=args.adapters, link_gbps=args.link_gbps
+            lm, e.budget, predictor=e.predictor, adapters=setup.adapters, link_gbps=e.link_gbps
         )
     return ChatSession(
-        lm,
-        system_prompt=args.system_prompt,
-        decoder=decoder,
-        expert_cache=expert_cache,
-        **options.cache_options(vars(args)),
+        lm, system_prompt=setup.system_prompt, decoder=decoder, expert_cache=expert_cache, kv=setup.options.kv
     )

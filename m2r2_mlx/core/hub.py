@@ -19,8 +19,6 @@ from .config import ADAPTERS_FILE, CONFIG_FILE, M2R2Config
 from .draft_vocab import FILE as DRAFT_VOCAB_FILE
 
 PACKAGED_ADAPTERS = Path(__file__).resolve().parents[1] / "trained"
-# Modes that cannot run without adapters (layerskip only borrows a folder's first gate when there is one).
-ADAPTER_MODES = ("speculative", "early-exit")
 # What an adapters folder holds for decoding; m2r2-train's data cache and checkpoints stay home.
 ADAPTER_FILES = (CONFIG_FILE, ADAPTERS_FILE, DRAFT_VOCAB_FILE)
 CARD = "README.md"
@@ -48,26 +46,17 @@ def resolve_adapters(name: str | Path) -> Path:
     return folder
 
 
-def resolve_model_and_adapters(
-    model: str | None, adapters: str | Path | None, mode: str = "plain"
-) -> tuple[str, Path | None]:
+def resolve_model_and_adapters(model: str | None, adapters: str | Path | None) -> tuple[str, Path | None]:
     """The model and adapters folder a command will use, decided from names alone (no model is downloaded):
     given adapters (a folder or a Hub repo) name their base, which is the model when none is given; otherwise
-    the packaged adapters for the model, if any. A mode that needs adapters fails here when there are none."""
+    the packaged adapters for the model, if any (None if there are none)."""
     folder = resolve_adapters(adapters) if adapters else None
     if model is None:
         base = M2R2Config.load(folder).base_model if folder else DEFAULT_MODEL
         if not base:
             raise M2R2Error(f"the adapters in {folder} do not name their base model; pass --model too")
         model = base
-    folder = folder or packaged_adapters(model)
-    if folder is None and mode in ADAPTER_MODES:
-        raise M2R2Error(
-            f"mode {mode!r} needs M2R2 adapters for {model!r} and none ship for it; pass --adapters with an adapters "
-            f"folder or Hub repo, or train them: m2r2-train --model {model} -o DIR (modes without adapters: plain, "
-            "layerskip, lookup)"
-        )
-    return model, folder
+    return model, folder or packaged_adapters(model)
 
 
 def model_card(cfg: M2R2Config, repo_id: str) -> str:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from mlx_lm.generate import wired_limit
 
 from ..atomic import atomic_write_text
 from ..errors import M2R2Error
 from ..models.registry import LoadedModel
-from .generate import PromptCache, TokenEvent, check_context, generate
+from .config import GenerationConfig, KVConfig
+from .events import TokenEvent, check_context
+from .generate import PlainDecoder
+from .prompt_cache import PromptCache
+from .protocols import Decoder
+from .stops import apply_stops
 
 
 class ChatSession:
@@ -22,16 +26,16 @@ class ChatSession:
         self,
         lm: LoadedModel,
         system_prompt: str | None = None,
-        decoder=None,
+        decoder: Decoder | None = None,
         expert_cache=None,
-        max_kv_size: int | None = None,
-        kv_bits: int | None = None,
+        kv: KVConfig | None = None,
     ):
         self.lm = lm
         self.expert_cache = expert_cache  # MoE models served within a memory budget (m2r2_mlx.moe)
-        self.decode = decoder or partial(generate, lm.model, lm.tokenizer)
+        self.decode: Decoder = decoder or PlainDecoder(lm)
         self.system_prompt = system_prompt
-        self.cache = PromptCache(lm.model, max_kv_size, kv_bits)
+        kv = kv or KVConfig()
+        self.cache = PromptCache(lm.model, kv.max_kv_size, kv.kv_bits)
         self.messages: list[dict] = []
         self.reset()
 
@@ -47,7 +51,7 @@ class ChatSession:
             ids = tok.encode("\n".join(m["content"] for m in self.messages) + "\n")
         return list(ids)
 
-    def send(self, text: str, **options) -> Iterator[TokenEvent]:
+    def send(self, text: str, generation: GenerationConfig | None = None) -> Iterator[TokenEvent]:
         """Add a user turn and stream the answer; the (partial) answer joins the history."""
         if not text.strip():
             raise M2R2Error("the message is empty; type something to send")
@@ -58,24 +62,31 @@ class ChatSession:
         except M2R2Error:
             self.messages.pop()
             raise
-        return self._answer(prompt, **options)
+        return self.answer(prompt, generation)
 
-    def regenerate(self, **options) -> Iterator[TokenEvent]:
+    def regenerate(self, generation: GenerationConfig | None = None) -> Iterator[TokenEvent]:
         """Drop the last answer and answer the last user turn again."""
         if self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         if not self.messages or self.messages[-1]["role"] != "user":
             raise M2R2Error("there is no user message to regenerate an answer for")
-        return self._answer(self.prompt_tokens(), **options)
+        return self.answer(self.prompt_tokens(), generation)
 
-    def _answer(self, prompt: list[int], **options) -> Iterator[TokenEvent]:
+    def answer(
+        self, prompt: Sequence[int], generation: GenerationConfig | None = None, decoder: Decoder | None = None
+    ) -> Iterator[TokenEvent]:
+        """Stream the answer to ``prompt`` (token ids) over the session's cache, with ``decoder`` (default the
+        session's), cut at the generation's stop strings; the (partial) answer joins the history."""
+        generation = generation or GenerationConfig()
         pieces: list[str] = []
+        stream = (decoder or self.decode)(prompt, self.cache, generation)
         try:
             with wired_limit(self.lm.model):  # as mlx-lm decodes: weights wired on Metal (a no-op elsewhere)
-                for event in self.decode(prompt, cache=self.cache, context_length=self.lm.context_length, **options):
+                for event in apply_stops(stream, generation.stop):
                     pieces.append(event.text)
                     yield event
         finally:  # also on cancel (generator closed): the history keeps what was shown
+            stream.close()
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
     @property

@@ -12,12 +12,13 @@ last emitted token (not yet in the cache), and leaves the cache as it found it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..models.base_model import SubsetHead
+from .protocols import DraftRequest
 from .sampling import Sampling, sampling_probs
 from .tree import DraftTree
 
@@ -31,7 +32,10 @@ class LayerDrafter:
         vocab: Sequence[int] | None = None,
         adapters: bool = True,
         drop_unsure: bool = False,
+        prior: float | None = None,
     ):
+        """``prior``: the acceptance rate to start from (default: the held-out agreement of this exit with the full
+        model that the adapters' trainer recorded, naive exit's for layer-skip; 0.3 where none was)."""
         self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
         self.drop_unsure = drop_unsure
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
@@ -42,23 +46,17 @@ class LayerDrafter:
         # A context feature reads the previous position's final residual: the cache keeps the verifier's
         # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
         self.keeps_states = adapters and gate_index == 0 and m2r2.config.context_feature
+        measured = m2r2.config.metrics.agreement(self.exit_layer, adapters=adapters)
+        self.prior = prior if prior is not None else 0.3 if measured is None else measured
 
-    def propose(
-        self,
-        tree: DraftTree,
-        cache,
-        limit: int,
-        s: Sampling,
-        eos_ids,
-        width: int = 1,
-        go_on: Callable[[int, float], bool] | None = None,
-        after: int = 0,
-    ) -> int:
-        """Draft up to ``limit`` tokens after node ``after`` (default the root); returns the draft steps taken.
-        ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
+    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
+        """Draft up to ``request.limit`` tokens after node ``request.after``; returns the draft steps taken.
+        A ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
         proposals); ``go_on(node, confidence)`` decides whether to draft another token (default: while
         confidence >= threshold). After a deeper node, the tokens on the way to it (another drafter's) first
         run through the drafter's layers in one pass, writing their provisional keys and values."""
+        cache, limit, s, eos_ids = request.cache, request.limit, request.sampling, request.eos_ids
+        width, go_on, after = request.width, request.go_on, request.after
         self.confidences = []
         drop = self.threshold > 0 and self.drop_unsure
         path = tree.path(after)
@@ -107,7 +105,7 @@ class LayerDrafter:
     def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
         """A chain of drafts after ``token`` and the laws they were sampled from (None for greedy drafts)."""
         tree = DraftTree.root(token)
-        self.propose(tree, cache, limit, s, eos_ids)
+        self.propose(tree, DraftRequest(cache, (), limit, s, set(eos_ids)))
         drafts = tree.tokens[1:]
         qs = [q for node in range(len(tree)) for _, q in tree.proposals[node]]
         return drafts, (mx.stack(qs) if qs and qs[0] is not None else None)
@@ -118,8 +116,8 @@ class PromptLookupDrafter:
     keeps_states = False
     kind = name = "lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, prior: float = 0.5):
+        self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
 
     def continuations(self, context: Sequence[int], limit: int, width: int = 1) -> list[tuple[list[int], int]]:
         """Up to ``width`` continuations (distinct first tokens) of earlier occurrences of the context's last
@@ -141,17 +139,18 @@ class PromptLookupDrafter:
                         return found
         return found
 
-    def propose(self, tree: DraftTree, context: Sequence[int], limit: int, eos_ids, width: int = 1) -> None:
-        """Add the continuations after the root; ``context`` ends with the root token."""
-        for cont, n in self.continuations(context, limit, width):
+    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
+        """Add the continuations of ``request.context`` (which ends with the root) after the root."""
+        for cont, n in self.continuations(request.context, request.limit, request.width):
             for k, t in enumerate(cont):  # a copied end-of-sequence is drafted, and nothing after it
-                if t in eos_ids:
+                if t in request.eos_ids:
                     cont = cont[: k + 1]
                     break
             for node in tree.add_chain(0, cont, self.kind):
                 tree.signal.setdefault((self.kind, node), float(n))
+        return 0
 
     def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], None]:
         tree = DraftTree.root(token)
-        self.propose(tree, cache.tokens + [token], limit, eos_ids)
+        self.propose(tree, DraftRequest(None, cache.tokens + [token], limit, s, set(eos_ids)))
         return tree.tokens[1:], None

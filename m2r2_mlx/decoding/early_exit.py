@@ -26,12 +26,16 @@ token there (the slow stream, and so the cache, is exact).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .generate import PromptCache, TokenEvent, start_decoding
-from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs
+from .config import GenerationConfig
+from .events import TokenEvent
+from .generate import start_decoding
+from .prompt_cache import PromptCache
+from .sampling import next_token
 
 
 def gate_thresholds(
@@ -56,36 +60,43 @@ def confidence(logits: mx.array, h_exit: mx.array, gate_index: int, trail: list)
     return mx.softmax(logits.astype(mx.float32)).max().item()
 
 
+@dataclass(frozen=True)
+class ExitPolicy:
+    """How a token's exit is decided.
+
+    ``tau``: the threshold at the first gate checked, deeper gates asking more with ``scaled_tau``
+    (``gate_thresholds``); ``source``: the exit candidate, "m2r2" (the fast stream) or "naive" (the slow state's
+    own exit); ``rule(logits, h_exit, gate_index, trail)``: the exit score (``confidence``, or ARLA's p_exit);
+    ``gates``: the gates checked (default all); ``schedule(index)``: a fixed exit layer per answer position
+    instead of the score (SkipDecode-style); ``fused``: fast checks ride along the slow stream's layer passes
+    (bottleneck adapters); ``exit_head``: a SubsetHead that scores exits over a vocabulary subset (None: the
+    full head), so a check that does not exit costs a fraction of a full head's read."""
+
+    tau: float = 0.9
+    scaled_tau: bool = True
+    source: str = "m2r2"
+    rule: Callable = confidence
+    gates: Sequence[int] | None = None
+    schedule: Callable[[int], int | None] | None = None
+    fused: bool = True
+    exit_head: Any = None
+
+
 class EarlyExit:
     """Walks one token through the model gate by gate, with deferred KV fill of exited tokens."""
 
-    def __init__(
-        self,
-        m2r2,
-        cache: PromptCache,
-        *,
-        tau: float,
-        source: str = "m2r2",
-        rule: Callable = confidence,
-        gates: Sequence[int] | None = None,
-        schedule: Callable[[int], int | None] | None = None,
-        fused: bool = True,
-        exit_head=None,
-        scaled_tau: bool = True,
-    ):
+    def __init__(self, m2r2, cache: PromptCache, policy: ExitPolicy):
         self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
-        # A check scores the exit over exit_head's vocabulary subset (a SubsetHead; None: the full head):
-        # a check that does not exit then costs a fraction of a full head's read.
-        self.exit_head = exit_head
-        self.fused = fused and m2r2.can_fuse  # fast checks ride along the slow stream's layer passes
-        self.source, self.rule, self.schedule = source, rule, schedule
+        self.exit_head = policy.exit_head
+        self.fused = policy.fused and m2r2.can_fuse
+        self.source, self.rule, self.schedule = policy.source, policy.rule, policy.schedule
         self.intervals = m2r2.config.intervals()
         stops = [stop for _, stop in self.intervals]
-        allowed = set(m2r2.config.gates if gates is None else gates)
+        allowed = set(m2r2.config.gates if policy.gates is None else policy.gates)
         self.check = [stop in allowed for stop in stops]
         self.L = self.parts.num_layers
         first = min((g for g, c in zip(stops, self.check) if c), default=stops[0])
-        self.taus = gate_thresholds(tau, stops, first, self.L, scaled_tau)  # one per gate
+        self.taus = gate_thresholds(policy.tau, stops, first, self.L, policy.scaled_tau)  # one per gate
         self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order
         # The previous token's deepest state, for a context feature: its final residual if it went the whole
         # way, else its exit state (its deeper layers run later, in this token's pass). First: the prompt's.
@@ -180,67 +191,56 @@ def early_exit_generate(
     m2r2,
     tokenizer,
     prompt: Sequence[int],
+    generation: GenerationConfig | None = None,
     *,
-    tau: float = 0.9,
-    source: str = "m2r2",
-    rule: Callable = confidence,
-    gates: Sequence[int] | None = None,
-    schedule: Callable[[int], int | None] | None = None,
+    policy: ExitPolicy | None = None,
     cache: PromptCache | None = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    repetition_context_size: int = 20,
-    seed: int | None = None,
     context_length: int | None = None,
-    stats: dict | None = None,
-    fused: bool = True,
-    exit_head=None,
-    scaled_tau: bool = True,
 ) -> Iterator[TokenEvent]:
-    """Decode with dynamic early exit; each event's ``exit_layer`` is the gate its token left at.
-    ``tau`` is the exit threshold at the first gate checked; with ``scaled_tau`` deeper gates ask more
-    (``gate_thresholds``), else every gate asks ``tau``. ``exit_head`` (a SubsetHead, e.g.
-    ``m2r2.exit_head``) scores the exits over a vocabulary subset."""
-    s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
-    if seed is not None:
-        mx.random.seed(seed)
-
-    def pick(logits: mx.array) -> int:
-        history = cache.tokens if s.reads_history else ()
-        if s.greedy:
-            return int(mx.argmax(processed_logprobs(logits, s, history)).item())
-        return sample_from(sampling_probs(logits, s, history))
-
+    """Decode with dynamic early exit under ``policy``; each event's ``exit_layer`` is the gate its token left at,
+    and its ``layer_passes`` and ``token_layers`` the compute spent since the previous event (the answer's last
+    event includes filling the keys and values its exited tokens still lacked)."""
+    generation, policy = generation or GenerationConfig(), policy or ExitPolicy()
     cache, logits, events = start_decoding(
-        m2r2.base, tokenizer, prompt, cache, max_tokens, context_length, keep_states=m2r2.config.context_feature
+        m2r2.base, tokenizer, prompt, cache, generation, context_length, keep_states=m2r2.config.context_feature
     )
-    walker = EarlyExit(
-        m2r2,
-        cache,
-        tau=tau,
-        source=source,
-        rule=rule,
-        gates=gates,
-        schedule=schedule,
-        fused=fused,
-        exit_head=exit_head,
-        scaled_tau=scaled_tau,
-    )
-    exit_layer = walker.L
+    walker = EarlyExit(m2r2, cache, policy)
+    exit_layer, passes, token_layers = walker.L, 0, 0
     try:
         while True:
-            y = pick(logits)
+            y = next_token(logits, generation.sampling, cache)
             ev = events.event(y, exit_layer=exit_layer)
+            if ev.finish_reason:
+                walker.flush()  # the cache becomes the full model's before the answer ends
+            ev.layer_passes, ev.token_layers = walker.layer_passes - passes, walker.token_layers - token_layers
+            passes, token_layers = walker.layer_passes, walker.token_layers
             yield ev
             if ev.finish_reason:
                 return
             logits, exit_layer = walker.step(y, events.n)
     finally:  # also on cancel: leave the cache as the full model's
         walker.flush()
-        if stats is not None:
-            stats["layer_passes"] = stats.get("layer_passes", 0) + walker.layer_passes
-            stats["token_layers"] = stats.get("token_layers", 0) + walker.token_layers
+
+
+class EarlyExitDecoder:
+    """The ``early-exit`` mode over loaded adapters (a Decoder)."""
+
+    name = "early-exit"
+    needs_adapters = True
+
+    def __init__(self, m2r2, tokenizer, policy: ExitPolicy, context_length: int | None = None):
+        self.m2r2, self.tokenizer, self.policy, self.context_length = m2r2, tokenizer, policy, context_length
+        self.exit_layers = sorted({*m2r2.config.gates, m2r2.parts.num_layers})
+
+    def __call__(
+        self, prompt: Sequence[int], cache: PromptCache | None = None, generation: GenerationConfig | None = None
+    ) -> Iterator[TokenEvent]:
+        return early_exit_generate(
+            self.m2r2,
+            self.tokenizer,
+            prompt,
+            generation,
+            policy=self.policy,
+            cache=cache,
+            context_length=self.context_length,
+        )

@@ -125,6 +125,16 @@ def sample_from(probs: mx.array) -> int:
     return int(mx.random.categorical(mx.log(probs)).item())
 
 
+def next_token(logits: mx.array, s: Sampling, sequence) -> int:
+    """The token plain decoding picks from ``logits`` (V,), read back: the argmax of the processed logits when
+    greedy, else a draw from the sampler's distribution. ``sequence`` (anything with ``tokens``, e.g. the prompt
+    cache) is read only by a repetition penalty."""
+    history = sequence.tokens if s.reads_history else ()
+    if s.greedy:
+        return int(mx.argmax(processed_logprobs(logits, s, history)).item())
+    return sample_from(sampling_probs(logits, s, history))
+
+
 def verify(
     logits: mx.array, drafts: list[int], q: mx.array | None, s: Sampling, history: Sequence[int] = ()
 ) -> tuple[int, int]:

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import mlx.core as mx
 
 from ..errors import M2R2Error
-from .generate import PromptCache, TokenEvent, start_decoding
+from .config import GenerationConfig
+from .events import TokenEvent
+from .generate import start_decoding
 from .policy import Acceptance, Planner, StepCosts
-from .sampling import NextToken, Sampling, processed_logprobs, sample_from, sampling_probs, verify_tree
+from .prompt_cache import PromptCache
+from .protocols import Drafter, DraftRequest
+from .sampling import NextToken, Sampling, next_token, verify_tree
 from .tree import DraftTree, supports_trees
 
 POLICIES = ("cost", "always")
@@ -33,20 +38,25 @@ MAX_WIDTH = 8
 
 
 class Speculator:
-    """Draft-and-verify decoding over ``model`` with one or two drafters (prompt lookup and/or a layer drafter).
-    One instance serves a whole conversation: the costs and acceptance rates it has learnt carry over."""
+    """Draft-and-verify decoding over ``model`` with one or two drafters (prompt lookup and/or a layer drafter),
+    a Decoder. One instance serves a whole conversation: the costs and acceptance rates it has learnt carry over.
+    ``name``: the mode it serves; ``context_length``: the model's. Each drafter's ``prior`` is its acceptance rate
+    until the engine has measured one."""
+
+    # False: one plain step at a time where no draft pays (the ablation of the pipelined plain stretches)
+    plain_stretches = True
 
     def __init__(
         self,
         model,
         tokenizer,
-        drafters: Sequence,
+        drafters: Sequence[Drafter],
         *,
         max_draft: int = 8,
         width: int = 1,
         policy: str = "cost",
-        priors: dict[str, float] | None = None,
-        plain_stretches: bool = True,
+        context_length: int | None = None,
+        name: str = "speculative",
     ):
         if policy not in POLICIES:
             raise M2R2Error(f"unknown drafting policy {policy!r}; choose one of: {', '.join(POLICIES)}")
@@ -63,54 +73,35 @@ class Speculator:
                 f"{type(model).__module__} cannot verify draft trees (no rope on its attention); use tree width 1"
             )
         self.max_draft, self.width, self.policy = max_draft, width, policy
-        self.plain_stretches = plain_stretches  # False: one plain step at a time (the ablation of the stretches)
+        self.context_length, self.name = context_length, name
+        self.needs_adapters = self.layer is not None and self.layer.kind == "fast"
         self.keeps_states = bool(self.layer and self.layer.keeps_states)
         num_layers = len(layers)
         self.exit_layers = sorted({d.exit_layer for d in drafters} | {num_layers})  # for legends
         fraction = self.layer.exit_layer / num_layers if self.layer else 0.0
         self.costs = StepCosts(draft_fraction=fraction)
-        self.acceptance = Acceptance(priors or {})
+        self.acceptance = Acceptance({d.kind: d.prior for d in drafters})
         self.planner = Planner(self.costs, self.acceptance, max_nodes=max_draft * width)
         self.status = "plain"  # the last step's plan, for the chat's side panel
         self.draft_seconds = 0.0
 
     @property
-    def name(self) -> str:
+    def drafter_names(self) -> str:
         return " + ".join(d.name for d in (self.lookup, self.layer) if d is not None)
 
     def __call__(
-        self,
-        prompt: Sequence[int],
-        *,
-        cache: PromptCache | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        repetition_context_size: int = 20,
-        seed: int | None = None,
-        context_length: int | None = None,
-        stats: dict | None = None,
+        self, prompt: Sequence[int], cache: PromptCache | None = None, generation: GenerationConfig | None = None
     ) -> Iterator[TokenEvent]:
-        """Decode ``prompt``; ``stats`` (if given) collects tokens per verification step ("accepted") and the
-        accepted drafts per drafter ("drafted_by")."""
-        s = Sampling(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
-        if seed is not None:
-            mx.random.seed(seed)
+        """Decode ``prompt``: each accepted draft is an event with ``drafted`` and its ``source``; the step's
+        ``plan`` rides on every event."""
+        generation = generation or GenerationConfig()
+        s = generation.sampling
         cache, logits, events = start_decoding(
-            self.model, self.tokenizer, list(prompt), cache, max_tokens, context_length, keep_states=self.keeps_states
+            self.model, self.tokenizer, list(prompt), cache, generation, self.context_length, self.keeps_states
         )
-        history = cache.tokens if s.reads_history else ()
-        if s.greedy:
-            y = int(mx.argmax(processed_logprobs(logits, s, history)).item())
-        else:
-            y = sample_from(sampling_probs(logits, s, history))
+        y = next_token(logits, s, cache)
         ev = events.event(y)
         yield ev
-        accepted = [] if stats is None else stats.setdefault("accepted", [])
-        by_drafter = Counter() if stats is None else stats.setdefault("drafted_by", Counter())
         if self.policy == "cost" and not self.costs.calibrated and not ev.finish_reason:
             self._calibrate(cache, y)
         while not ev.finish_reason:
@@ -119,7 +110,7 @@ class Speculator:
             tree = self._draft(cache, y, events.max_tokens - events.n - 1, s, events.eos_ids)
             plan = self.status
             if len(tree) == 1 and self.policy == "cost":  # nothing pays: decode plainly until a draft would
-                y_next = yield from self._plain_stretch(cache, y, events, s, accepted)
+                y_next = yield from self._plain_stretch(cache, y, events, s)
                 if y_next is None:
                     return
             else:
@@ -128,10 +119,8 @@ class Speculator:
                 cache.commit(path, len(tree))
                 self._learn(tree, path)
                 self.costs.observe_verify(len(tree), time.perf_counter() - tic - self.draft_seconds)
-                accepted.append(len(path))
                 for node in path[1:]:
                     source = "lookup" if "lookup" in tree.sources[node] else self.layer.kind
-                    by_drafter[source] += 1
                     layer = 0 if source == "lookup" else self.layer.exit_layer
                     ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=plan)
                     yield ev
@@ -155,21 +144,22 @@ class Speculator:
         # the planner prunes lookup's proposals before the fast stream samples, and the fast stream's chain
         # ends by a stopping rule (go_on), never by pruning. Greedy verification is exact for any tree.
         prune = self.policy == "cost"
+        request = DraftRequest(cache, cache.tokens + [y] if self.lookup else (), limit, s, eos_ids, self.width)
         if self.lookup is not None:
-            self.lookup.propose(tree, cache.tokens + [y], limit, eos_ids, self.width)
+            self.lookup.propose(tree, request)
             if prune and not s.greedy:
                 tree = tree.keep(self.planner.select(tree)[0])
         if self.layer is not None:
             if self.policy == "always":
-                self.layer.propose(tree, cache, limit, s, eos_ids, self.width)
+                self.layer.propose(tree, request)
             else:
-                self._draft_fast(tree, cache, limit, s, eos_ids)
+                self._draft_fast(tree, request)
         if prune and s.greedy:
             tree = tree.keep(self.planner.select(tree)[0])
         self.status = self._describe(tree)
         return tree
 
-    def _plain_stretch(self, cache: PromptCache, y: int, events, s: Sampling, accepted: list) -> Iterator[TokenEvent]:
+    def _plain_stretch(self, cache: PromptCache, y: int, events, s: Sampling) -> Iterator[TokenEvent]:
         """Plain decoding after ``y``, each step built and queued before the previous token is read (as generate
         does, which a draft-and-verify step cannot), while drafting is not expected to pay. After each token the
         planner is asked whether drafting after it would; then the stretch ends with one step in flight and
@@ -194,12 +184,11 @@ class Speculator:
             self.costs.context = len(context)
             # the first question was just answered by _draft for this root (its fast-stream drafts priced out)
             if limit > 0 and (
-                not self.plain_stretches or (not first and self._would_draft(context, limit, events.eos_ids))
+                not self.plain_stretches or (not first and self._would_draft(context, limit, events.eos_ids, s))
             ):
                 token = int(pending.item())
                 if not self.plain_stretches:  # the ablation: one plain step, timed as a whole
                     self.costs.observe_verify(1, time.perf_counter() - start)
-                accepted.append(1)  # the step in flight gives one token
                 self.acceptance.tick()
                 return token
             first = False
@@ -209,7 +198,6 @@ class Speculator:
             if tic is not None:
                 self.costs.observe_verify(1, toc - tic)
             tic = toc
-            accepted.append(1)
             self.acceptance.tick()
             ev = events.event(context[-1], plan="plain")
             yield ev
@@ -220,39 +208,32 @@ class Speculator:
                 mx.clear_cache()
             pending = after
 
-    def _would_draft(self, context: list[int], limit: int, eos_ids) -> bool:
+    def _would_draft(self, context: list[int], limit: int, eos_ids, s: Sampling) -> bool:
         """Whether a step after ``context[-1]`` would draft: lookup's proposals worth verifying, or the fast stream
         expected to pay (the planner's decisions in _draft, without running the fast stream)."""
         tree = DraftTree.root(context[-1])
         if self.lookup is not None:
-            self.lookup.propose(tree, context, limit, eos_ids, self.width)
+            self.lookup.propose(tree, DraftRequest(None, context, limit, s, eos_ids, self.width))
             if len(self.planner.select(tree)[0]) > 1:
                 return True
         return self.layer is not None and self.planner.fast_pays(tree, 0, self.layer.kind, limit)
 
-    def _draft_fast(self, tree: DraftTree, cache: PromptCache, limit: int, s: Sampling, eos_ids) -> None:
+    def _draft_fast(self, tree: DraftTree, request: DraftRequest) -> None:
         """The fast stream continues after the deepest proposal worth verifying, or drafts from the root where
         none is; only when the planner expects it to pay."""
         chosen = self.planner.select(tree)[0]
         reach = self.planner.reach(tree)
         leaves = [n for n in chosen if not any(tree.parents[c] == n for c in chosen)]
         anchor = max(leaves, key=lambda node: (reach[node], tree.depths[node]))  # the likeliest end
-        room = limit - tree.depths[anchor]
-        if room <= 0 or tree.tokens[anchor] in eos_ids:
+        room = request.limit - tree.depths[anchor]
+        if room <= 0 or tree.tokens[anchor] in request.eos_ids:
             return
         if not self.planner.fast_pays(tree, anchor, self.layer.kind, room):
             return
         tic = time.perf_counter()
-        steps = self.layer.propose(
-            tree,
-            cache,
-            room,
-            s,
-            eos_ids,
-            self.width if anchor == 0 else 1,
-            go_on=self.planner.go_on(tree, self.layer.kind),
-            after=anchor,
-        )
+        go_on = self.planner.go_on(tree, self.layer.kind)
+        width = self.width if anchor == 0 else 1
+        steps = self.layer.propose(tree, replace(request, limit=room, width=width, go_on=go_on, after=anchor))
         self.draft_seconds = time.perf_counter() - tic
         self.costs.observe_draft(self.draft_seconds / max(steps, 1))
 
@@ -291,13 +272,14 @@ def speculative_generate(
     model,
     tokenizer,
     prompt: Sequence[int],
-    drafter,
+    drafter: Drafter,
+    generation: GenerationConfig | None = None,
     *,
     max_draft: int = 6,
-    width: int = 1,
     policy: str = "always",
-    **options,
+    cache: PromptCache | None = None,
 ) -> Iterator[TokenEvent]:
     """Speculative decoding with one drafter, verifying all it proposes (``policy="always"``) or what the cost
-    model picks (``"cost"``); ``options`` as Speculator.__call__."""
-    return Speculator(model, tokenizer, [drafter], max_draft=max_draft, width=width, policy=policy)(prompt, **options)
+    model picks (``"cost"``)."""
+    engine = Speculator(model, tokenizer, [drafter], max_draft=max_draft, policy=policy)
+    return engine(prompt, cache, generation)

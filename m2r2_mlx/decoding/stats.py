@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .generate import TokenEvent
+from .events import TokenEvent
 
 
 @dataclass
@@ -24,6 +24,8 @@ class AnswerStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens per full-model step, after the prefill's token
     drafted_by: Counter = field(default_factory=Counter)  # accepted drafts per drafter ("lookup", "fast"...)
     plan: str = ""  # speculative decoding: the engine's choice for the latest step ("plain", "lookup 4 + fast 1")
+    layer_passes: int = 0  # early exit: layer calls (each reads the layer's weights once)
+    token_layers: int = 0  # early exit: token-layers computed (the arithmetic, deferred fills included)
     _run: int = 0
 
     def add(self, ev: TokenEvent) -> None:
@@ -43,6 +45,8 @@ class AnswerStats:
         self.plan = ev.plan or self.plan
         self.peak_memory_gb = max(self.peak_memory_gb, ev.peak_memory_gb)
         self.finish_reason = ev.finish_reason or self.finish_reason
+        self.layer_passes += ev.layer_passes
+        self.token_layers += ev.token_layers
         if ev.eos:
             return
         self.tokens += 1

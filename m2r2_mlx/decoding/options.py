@@ -1,37 +1,30 @@
 """Decoding options, declared once for every place that takes them: m2r2-chat's and m2r2-server's flags (with
-mlx-lm's and llama.cpp's names as aliases), the server's per-request JSON fields, and their checks.
+mlx-lm's and llama.cpp's names as aliases), the server's per-request JSON fields, and their checks; and
+``DecodingOptions``, the configs they fill (a DecodeConfig, a GenerationConfig and a KVConfig).
 
-Each Option says whether it builds the decoder (mode, gate, tau...: ``make_decoder``'s arguments) or is handed
-to each decoding call (max_tokens, temperature...: ``generation``). A new sampling option is one more row.
+Each Option names the config field it sets (``target`` and ``field``). A new sampling option is one more row
+here and one more field in Sampling.
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-from m2r2_mlx.decoding.decoders import (
-    COST_DRAFT,
-    COST_WIDTH,
-    DEFAULT_DRAFT,
-    DEFAULT_DRAFT_VOCAB,
-    DEFAULT_THRESHOLD,
-    DRAFTERS,
-    MODE_HELP,
-    MODES,
-)
-from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.speculative import MAX_WIDTH, POLICIES
-from m2r2_mlx.errors import M2R2Error
+from ..errors import M2R2Error
+from .config import DecodeConfig, GenerationConfig, KVConfig
+from .decoders import COST_DRAFT, COST_WIDTH, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, DRAFTERS, MODES
+from .sampling import Sampling
+from .speculative import MAX_WIDTH, POLICIES
 
 REPETITION_CONTEXT = Sampling.repetition_context_size  # mlx-lm's default too
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+TARGETS = {"decode": DecodeConfig, "sampling": Sampling, "generation": GenerationConfig, "kv": KVConfig}
 
 
 @dataclass(frozen=True)
 class Option:
-    dest: str  # the argparse destination, also the key of an options dict
+    dest: str  # the command line's destination, also the key of an options dict
     flags: tuple[str, ...]  # the first long one names it in error lines
     type: type
     default: Any
@@ -39,13 +32,16 @@ class Option:
     fields: tuple[str, ...] = ()  # the server's request fields that set it (OpenAI's names first); () = none
     valid: Callable[[Any], bool] | None = None
     rule: str = ""  # what ``valid`` asks, for the error line
-    generation: bool = False  # passed to each decoding call rather than to make_decoder
-    cache: bool = False  # shapes the KV cache (ChatSession's keywords): neither a decoder's nor a call's option
-    kwarg: str = ""  # its keyword there, when it differs from ``dest``
+    target: str = "decode"  # the config it sets: one of TARGETS
+    field: str = ""  # its field there, when the name differs from ``dest``
 
     @property
     def flag(self) -> str:
         return next(f for f in self.flags if f.startswith("--"))
+
+    @property
+    def attribute(self) -> str:
+        return self.field or self.dest
 
     def check(self, value, name: str) -> None:
         if value is not None and self.valid is not None and not self.valid(value):
@@ -58,7 +54,7 @@ OPTIONS = (
         ("--mode",),
         str,
         "plain",
-        "; ".join(f"{m}: {h}" for m, h in MODE_HELP.items()) + " (default: plain)",
+        "; ".join(f"{m.name}: {m.help}" for m in MODES.values()) + " (default: plain)",
         ("mode",),
         lambda v: v in MODES,
         f"must be one of: {', '.join(MODES)}",
@@ -83,7 +79,7 @@ OPTIONS = (
         ("draft", "num_draft_tokens"),
         lambda v: v >= 1,
         "must be at least 1",
-        kwarg="max_draft",
+        field="max_draft",
     ),
     Option(
         "threshold",
@@ -128,6 +124,7 @@ OPTIONS = (
         ("tree_width",),
         lambda v: 1 <= v <= MAX_WIDTH,
         f"must be in 1..{MAX_WIDTH}",
+        field="tree_width",
     ),
     Option(
         "draft_vocab",
@@ -160,7 +157,15 @@ OPTIONS = (
         lambda v: 0 <= v <= 1.5,
         "must be in [0, 1] (above 1 never exits)",
     ),
-    Option("flat_tau", ("--flat-tau",), bool, False, "early exit: the same --tau at every gate", ("flat_tau",)),
+    Option(
+        "flat_tau",
+        ("--flat-tau",),
+        bool,
+        False,
+        "early exit: the same --tau at every gate",
+        ("flat_tau",),
+        field="scaled_tau",  # stored inverted: DecodeConfig.scaled_tau = not flat_tau
+    ),
     Option(
         "max_tokens",
         ("-m", "--max-tokens"),
@@ -170,7 +175,7 @@ OPTIONS = (
         ("max_completion_tokens", "max_tokens"),
         lambda v: v >= 1,
         "must be at least 1",
-        generation=True,
+        target="generation",
     ),
     Option(
         "temp",
@@ -181,8 +186,8 @@ OPTIONS = (
         ("temperature",),
         lambda v: v >= 0,
         "must be 0 (greedy) or positive",
-        generation=True,
-        kwarg="temperature",
+        target="sampling",
+        field="temperature",
     ),
     Option(
         "top_p",
@@ -193,7 +198,7 @@ OPTIONS = (
         ("top_p",),
         lambda v: 0 < v <= 1,
         "must be in (0, 1]",
-        generation=True,
+        target="sampling",
     ),
     # mlx-lm's sampler and logits processors (decoding/sampling.py); request fields as vLLM, mlx_lm.server and
     # llama.cpp's server name them (OpenAI's API has none)
@@ -206,7 +211,7 @@ OPTIONS = (
         ("top_k",),
         lambda v: v >= 0,
         "must be 0 (off) or a positive count",
-        generation=True,
+        target="sampling",
     ),
     Option(
         "min_p",
@@ -217,7 +222,7 @@ OPTIONS = (
         ("min_p",),
         lambda v: 0 <= v <= 1,
         "must be in [0, 1]",
-        generation=True,
+        target="sampling",
     ),
     Option(
         "repetition_penalty",
@@ -229,7 +234,7 @@ OPTIONS = (
         ("repetition_penalty", "repeat_penalty"),
         lambda v: 0 < v < float("inf"),
         "must be positive (1 = off)",
-        generation=True,
+        target="sampling",
     ),
     Option(
         "repetition_context_size",
@@ -240,9 +245,9 @@ OPTIONS = (
         ("repetition_context_size", "repeat_last_n"),
         lambda v: v >= 1,
         "must be at least 1",
-        generation=True,
+        target="sampling",
     ),
-    Option("seed", ("--seed",), int, None, "random seed for sampling", ("seed",), generation=True),
+    Option("seed", ("--seed",), int, None, "random seed for sampling", ("seed",), target="generation"),
     # mlx-lm's KV-cache options; a server's are its flags (one cache serves every request)
     Option(
         "max_kv_size",
@@ -254,7 +259,7 @@ OPTIONS = (
         (),
         lambda v: v >= 16,
         "must be at least 16 positions",
-        cache=True,
+        target="kv",
     ),
     Option(
         "kv_bits",
@@ -265,27 +270,23 @@ OPTIONS = (
         (),
         lambda v: v in KV_BITS,
         f"must be one of {', '.join(map(str, KV_BITS))}",
-        cache=True,
+        target="kv",
     ),
 )
 BY_DEST = {o.dest: o for o in OPTIONS}
+INVERTED = {"flat_tau"}  # flags that set the negation of their config field
 
 
-def add_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def add_options(parser, skip: tuple[str, ...] = ()) -> None:
+    """Declare every option on an argparse parser (passed in: the library itself parses no command line)."""
     for o in OPTIONS:
         if o.dest in skip:
             continue
         if o.type is bool:
             parser.add_argument(*o.flags, dest=o.dest, action="store_true", help=o.help)
         else:
-            parser.add_argument(
-                *o.flags,
-                dest=o.dest,
-                type=o.type,
-                default=o.default,
-                help=o.help,
-                choices=MODES if o.dest == "mode" else None,
-            )
+            choices = list(MODES) if o.dest == "mode" else None
+            parser.add_argument(*o.flags, dest=o.dest, type=o.type, default=o.default, help=o.help, choices=choices)
 
 
 def check_options(values: dict, names: str = "flag") -> None:
@@ -293,37 +294,65 @@ def check_options(values: dict, names: str = "flag") -> None:
     for o in OPTIONS:
         if o.dest in values:
             o.check(values[o.dest], o.flag if names == "flag" else (o.fields or (o.dest,))[0])
-    check_cache_options(values)
 
 
-def check_cache_options(values: dict) -> None:
+@dataclass(frozen=True)
+class DecodingOptions:
+    """Everything the options table sets: how the decoder is built, what each answer asks, the KV cache's shape."""
+
+    decode: DecodeConfig = DecodeConfig()
+    generation: GenerationConfig = GenerationConfig(max_tokens=BY_DEST["max_tokens"].default)
+    kv: KVConfig = KVConfig()
+
+    def __post_init__(self):
+        check_kv(self.kv, self.decode.mode)
+
+    @classmethod
+    def from_values(cls, values: dict) -> "DecodingOptions":
+        """From an options dict (a parsed command line's ``vars``, or a request's fields over the server's
+        defaults), checked: one line for the first value out of range; options absent take their defaults."""
+        check_options(values)
+        parts: dict[str, dict] = {t: {} for t in TARGETS}
+        for o in OPTIONS:
+            value = values.get(o.dest, o.default)
+            parts[o.target][o.attribute] = (not value) if o.dest in INVERTED else value
+        sampling = Sampling(**parts["sampling"])
+        return cls(
+            DecodeConfig(**parts["decode"]),
+            GenerationConfig(sampling=sampling, **parts["generation"]),
+            KVConfig(**parts["kv"]),
+        )
+
+    def values(self) -> dict:
+        """The options dict these configs came from (``from_values``'s inverse)."""
+        configs = {
+            "decode": self.decode,
+            "sampling": self.generation.sampling,
+            "generation": self.generation,
+            "kv": self.kv,
+        }
+        out = {}
+        for o in OPTIONS:
+            value = getattr(configs[o.target], o.attribute)
+            out[o.dest] = (not value) if o.dest in INVERTED else value
+        return out
+
+    def with_mode(self, mode: str, tau: float | None = None) -> "DecodingOptions":
+        """The same options in another mode (and early exit's threshold), checked against the KV cache's shape."""
+        decode = replace(self.decode, mode=mode, tau=self.decode.tau if tau is None else tau)
+        return replace(self, decode=decode)
+
+
+def check_kv(kv: KVConfig, mode: str) -> None:
     """The KV options serve plain decoding: the other modes trim and rewrite the cache in place, which a
     rotating cache cannot do once it has wrapped, and mlx-lm has no quantized rotating cache."""
-    given = [BY_DEST[d].flag for d in ("max_kv_size", "kv_bits") if values.get(d) is not None]
+    given = [BY_DEST[name].flag for name, value in asdict(kv).items() if value is not None]
     if len(given) == 2:
         raise M2R2Error(
             "--max-kv-size and --kv-bits cannot be combined (mlx-lm has no quantized rotating cache); choose one"
         )
-    if given and values.get("mode", "plain") != "plain":
+    if given and mode != "plain":
         raise M2R2Error(
-            f"{given[0]} works with --mode plain only (mode {values['mode']!r} trims and rewrites the "
-            "cache in place); leave it out or decode plainly"
+            f"{given[0]} works with --mode plain only (mode {mode!r} trims and rewrites the cache in place); leave "
+            "it out or decode plainly"
         )
-
-
-def cache_options(values: dict) -> dict:
-    """ChatSession's KV-cache keywords (max_kv_size, kv_bits)."""
-    return {o.dest: values.get(o.dest) for o in OPTIONS if o.cache}
-
-
-def decoder_options(values: dict) -> dict:
-    """make_decoder's keyword arguments (besides the model and adapters)."""
-    out = {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if not (o.generation or o.cache) and o.dest in values}
-    out["scaled_tau"] = not out.pop("flat_tau", False)
-    out.pop("mode", None)
-    return out
-
-
-def generation_options(values: dict) -> dict:
-    """Each decoding call's keyword arguments (max_tokens, temperature...)."""
-    return {(o.kwarg or o.dest): values[o.dest] for o in OPTIONS if o.generation and o.dest in values}
