@@ -84,14 +84,18 @@ def measure(model: str | None, max_tokens: int, repeats: int) -> dict:
     }
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m m2r2_bench.plain_decode", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="alias, repo id or folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blas-compare", action="store_true", help="also decode with the reference BLAS (Linux)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # child-process output
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     res = measure(args.model, args.max_tokens, args.repeats)
     if args.json:

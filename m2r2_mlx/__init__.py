@@ -3,7 +3,7 @@
     import m2r2_mlx
     lm = m2r2_mlx.load_model("smollm2")                  # alias, repo id, folder or .gguf
     chat = m2r2_mlx.ChatSession(lm, decoder=m2r2_mlx.make_decoder(lm, "speculative"))
-    for event in chat.send("What is the capital of France?"):
+    for event in chat.send("What is the capital of France?", m2r2_mlx.GenerationConfig(max_tokens=64)):
         print(event.text, end="")
 
 Layers, each importing only the ones before it: ``models`` (loading bases) → ``core`` (the M2R2 model:
@@ -30,8 +30,13 @@ _PUBLIC = {
     "LoadedModel": "m2r2_mlx.models.registry",
     "load_adapters": "m2r2_mlx.core.adapters",
     "make_decoder": "m2r2_mlx.decoding.decoders",
+    "MODES": "m2r2_mlx.decoding.decoders",
+    "GenerationConfig": "m2r2_mlx.decoding.config",
+    "DecodeConfig": "m2r2_mlx.decoding.config",
+    "Sampling": "m2r2_mlx.decoding.sampling",
+    "Decoder": "m2r2_mlx.decoding.protocols",
     "generate": "m2r2_mlx.decoding.generate",
-    "TokenEvent": "m2r2_mlx.decoding.generate",
+    "TokenEvent": "m2r2_mlx.decoding.events",
     "ChatSession": "m2r2_mlx.decoding.chat",
     "AnswerStats": "m2r2_mlx.decoding.stats",
     "M2R2Error": "m2r2_mlx.errors",
