@@ -20,6 +20,7 @@ from mlx_lm import stream_generate
 
 class MlxLmDecoder:
     needs_adapters = False
+    note = ""
 
     def __init__(self, lm, draft_model=None, num_draft_tokens: int = 3):
         self.lm, self.draft_model, self.num_draft_tokens = lm, draft_model, num_draft_tokens

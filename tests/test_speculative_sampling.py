@@ -13,6 +13,7 @@ import m2r2_mlx.decoding.speculative as speculative
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.decoding.drafting import SpecSettings
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
 from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
@@ -108,15 +109,14 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
         "chain m2r2 drop_unsure": chain(model, tok, LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True)),
         "chain lookup": chain(model, tok, PromptLookupDrafter()),
         "tree lookup+m2r2 width 3": Speculator(
-            model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)], max_draft=2, width=3, policy="always"
+            model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)], SpecSettings("always", 2, 3)
         ),
+        # probes (a budget of 30% of decoding time: many of them) must keep the law too
         "tree lookup+m2r2 cost planner": Speculator(
             model,
             tok,
             [PromptLookupDrafter(prior=0.9), LayerDrafter(m2r2, 0, prior=0.9)],
-            max_draft=2,
-            width=2,
-            policy="cost",
+            SpecSettings("cost", 2, 2, explore=0.3),
         ),
     }
     if s.top_k or s.reads_history:  # the new options: the trees carry the weight

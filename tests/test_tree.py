@@ -2,14 +2,14 @@
 cache exactly as sequential decoding would, and tree/hybrid/cost-planned speculative decoding stays greedy-exact.
 The planner's arithmetic and the speculative options' checks are tested here too."""
 
-import math
-
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
+from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
+from m2r2_mlx.decoding.drafting import SpecSettings
 from m2r2_mlx.decoding.generate import generate
-from m2r2_mlx.decoding.policy import Acceptance, Planner, StepCosts
+from m2r2_mlx.decoding.policy import Acceptance, Planner
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
@@ -92,9 +92,9 @@ def engines(m2r2, tok):
     model = m2r2.base
     both = lambda prior=None: [PromptLookupDrafter(prior=prior or 0.5), LayerDrafter(m2r2, 0, prior=prior)]  # noqa: E731
     return {
-        "width 3, always": Speculator(model, tok, [LayerDrafter(m2r2, 1)], max_draft=5, width=3, policy="always"),
-        "hybrid, always": Speculator(model, tok, both(), max_draft=6, width=2, policy="always"),
-        "hybrid, cost": Speculator(model, tok, both(prior=0.9), max_draft=8, width=3, policy="cost"),
+        "width 3, always": Speculator(model, tok, [LayerDrafter(m2r2, 1)], SpecSettings("always", 5, 3)),
+        "hybrid, always": Speculator(model, tok, both(), SpecSettings("always", 6, 2)),
+        "hybrid, cost": Speculator(model, tok, both(prior=0.9), SpecSettings("cost", 8, 3)),
     }
 
 
@@ -133,40 +133,11 @@ def test_tree_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
             assert [e.token for e in got] == want and got[-1].finish_reason == "stop"
 
 
-def test_step_costs_fit_a_line_through_what_they_measured():
-    costs = StepCosts(draft_fraction=0.2)
-    costs.observe_verify(1, 0.050)
-    costs.observe_verify(8, 0.085)
-    assert math.isclose(costs.verify_cost(4), 0.065, rel_tol=1e-6)
-    assert math.isclose(costs.draft_cost(), 0.010)  # before a draft is timed: that share of a one-token forward
-    costs.observe_draft(0.02)
-    assert costs.draft_cost() == 0.02
-
-
-def test_step_costs_are_kept_per_context_length():
-    """A wide verification costs more, against a plain step, over a long context: each context-length bucket keeps
-    its own times, and one with too few borrows the nearest bucket's, scaled by their plain steps."""
-    costs = StepCosts(draft_fraction=0.2)
-    costs.context = 100
-    costs.observe_verify(1, 0.050)
-    costs.observe_verify(8, 0.085)
-    costs.context = 1500
-    costs.observe_verify(1, 0.060)
-    assert math.isclose(costs.verify_cost(8), 0.085 * 0.060 / 0.050)  # borrowed from below 512, scaled
-    costs.observe_verify(8, 0.130)
-    assert math.isclose(costs.verify_cost(8), 0.130) and math.isclose(costs.verify_cost(1), 0.060)
-    costs.context = 300
-    assert math.isclose(costs.verify_cost(8), 0.085)  # the short context's own times are untouched
-    costs.observe_verify(4, 0.060, provisional=True)  # calibration: a bare forward
-    costs.observe_verify(4, 0.061, provisional=True)
-    costs.observe_verify(4, 0.075)  # the first whole step of that size replaces calibration's times
-    assert costs.verify[4] == 0.075 and costs.verify[1] == 0.050
-
-
 def planner(verify_1: float, verify_8: float, rate: float, draft: float = 0.01) -> Planner:
     costs = StepCosts(draft_fraction=0.2)
-    costs.observe_verify(1, verify_1)
-    costs.observe_verify(8, verify_8)
+    costs.observe_plain(verify_1)
+    for _ in range(2):
+        costs.observe_verify(8, verify_8)
     costs.observe_draft(draft)
     return Planner(costs, Acceptance({"lookup": rate, "fast": rate}, strength=1000), max_nodes=16)
 
@@ -229,7 +200,7 @@ def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
     and each stretch step counts as one token per step."""
     model = tiny_m2r2.base
     both = lambda: [PromptLookupDrafter(), LayerDrafter(tiny_m2r2, 0)]  # noqa: E731
-    never = Speculator(model, lm.tokenizer, both(), policy="cost")
+    never = Speculator(model, lm.tokenizer, both(), SpecSettings("cost", explore=0.0))
     never.acceptance.priors = {"lookup": 0.0, "fast": 0.0}
     never.acceptance.strength = 1e6  # so sure that drafting never pays that it is never tried
     for prompt in _prompts(3, seed=11):
@@ -240,7 +211,7 @@ def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
             got = list(never(prompt, None, generation))
             assert [e.token for e in got] == plain and not any(e.drafted for e in got)
             assert collect(got).accept_lengths == [1] * (len(got) - 1) and got[-1].finish_reason == "length"
-    assert set(never.costs.verify) == {1, 2, 4, 8}  # calibration, then plain steps only
+    assert not never.costs.samples  # no verification of more than one position: plain steps only
 
 
 def test_events_name_their_drafter_and_the_plan(lm, tiny_m2r2):

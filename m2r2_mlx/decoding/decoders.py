@@ -15,8 +15,10 @@ from ..core.config import M2R2Config
 from ..core.draft_vocab import FILE, load_draft_vocab
 from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_adapters
 from ..errors import M2R2Error
+from .calibration import calibrate
 from .config import DecodeConfig
 from .drafters import LayerDrafter, PromptLookupDrafter
+from .drafting import SpecSettings
 from .early_exit import EarlyExitDecoder, ExitPolicy, confidence
 from .generate import PlainDecoder
 from .protocols import Decoder, Drafter
@@ -127,23 +129,32 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
     threshold = (0.0 if cost else DEFAULT_THRESHOLD) if config.threshold is None else config.threshold
     if not 0 <= threshold <= 1:  # also NaN
         raise M2R2Error(f"the draft threshold must be in [0, 1] (got {threshold})")
+    # without adapters, speculative mode's best drafter here (prompt lookup, in trees under the planner) still runs
+    lookup_only = mode == "speculative" and config.drafter == "hybrid" and not (adapters or packaged_adapters(lm.name))
     drafters: list[Drafter] = []
     if mode == "lookup" or (mode == "speculative" and config.drafter == "hybrid"):
         drafters.append(PromptLookupDrafter())
-    if mode != "lookup":
+    if mode != "lookup" and not lookup_only:
         drafters.append(make_drafter(lm, replace(config, threshold=threshold), adapters))
     max_draft = (COST_DRAFT if cost else DEFAULT_DRAFT) if config.max_draft is None else config.max_draft
     width = (COST_WIDTH if cost else 1) if config.tree_width is None else config.tree_width
-    return Speculator(
+    settings = SpecSettings(policy, max_draft, width)
+    calibration = calibrate(lm) if cost else None  # once per machine and model; a first answer pays nothing
+    engine = Speculator(
         lm.model,
         lm.tokenizer,
         drafters,
-        max_draft=max_draft,
-        width=width,
-        policy=policy,
-        context_length=lm.context_length,
+        settings,
         name=mode,
+        context_length=lm.context_length,
+        calibration=calibration,
     )
+    if lookup_only:
+        engine.note = (
+            f"speculative mode drafts with prompt lookup alone: {lm.name} has no M2R2 adapters for the fast stream "
+            f"(pass --adapters DIR or a Hub repo id, or train them: m2r2-train --model {lm.name} -o DIR)"
+        )
+    return engine
 
 
 @dataclass(frozen=True)
@@ -162,8 +173,8 @@ MODES: dict[str, Mode] = {
         Mode(
             "speculative",
             "lossless self-speculative decoding: prompt lookup and the M2R2 fast stream draft where the engine's "
-            "cost model expects it to pay",
-            True,
+            "cost model expects it to pay (prompt lookup alone for a model without adapters)",
+            False,
             build_speculator,
             live=True,
         ),

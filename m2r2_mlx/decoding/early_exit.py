@@ -227,6 +227,7 @@ class EarlyExitDecoder:
 
     name = "early-exit"
     needs_adapters = True
+    note = ""
 
     def __init__(self, m2r2, tokenizer, policy: ExitPolicy, context_length: int | None = None):
         self.m2r2, self.tokenizer, self.policy, self.context_length = m2r2, tokenizer, policy, context_length

@@ -92,6 +92,7 @@ class PlainDecoder:
 
     name = "plain"
     needs_adapters = False
+    note = ""
 
     def __init__(self, lm, compiled: bool = False):
         self.model, self.tokenizer, self.context_length = lm.model, lm.tokenizer, lm.context_length

@@ -14,8 +14,8 @@ from typing import Any, Callable
 from ..errors import M2R2Error
 from .config import DecodeConfig, GenerationConfig, KVConfig
 from .decoders import COST_DRAFT, COST_WIDTH, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, DRAFTERS, MODES
+from .drafting import MAX_WIDTH, POLICIES
 from .sampling import Sampling
-from .speculative import MAX_WIDTH, POLICIES
 
 REPETITION_CONTEXT = Sampling.repetition_context_size  # mlx-lm's default too
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs

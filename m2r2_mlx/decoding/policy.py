@@ -1,126 +1,31 @@
-"""When drafting pays: the speculative engine's step costs and acceptance rates, learnt as it decodes.
+"""When drafting pays: the speculative engine's acceptance rates, its planner, and its bounded exploration.
 
-A verification forward over n positions costs c(n) seconds and a draft step of the fast stream d, both measured
-on the running machine. A drafted node is accepted with probability pi = the product, along its path, of each
-node's acceptance rate given its parent was accepted (per drafter, depth and signal: the fast stream's draft
-probability, lookup's matched n-gram length). A step that drafts for D seconds and verifies n nodes yields
-E = 1 + sum(pi) tokens in D + c(n) seconds. The planner adds nodes in order of pi while each raises E / time, and
-runs the fast stream only when the nodes it is expected to add pay for its draft steps. Plain decoding is the
-tree with the root alone, so drafting happens only where it is expected to beat it.
+A verification forward over n positions costs c(n) seconds and a draft step of the fast stream d (costs.py:
+StepCosts, in plain steps measured on the running machine). A drafted node is accepted with probability pi = the
+product, along its path, of each node's acceptance rate given its parent was accepted (per drafter, depth and
+signal: the fast stream's draft probability, lookup's matched n-gram length). A step that drafts for D seconds
+and verifies n nodes yields E = 1 + sum(pi) tokens in D + c(n) seconds. The planner adds nodes in order of pi
+while each raises E / time, and runs the fast stream only when the nodes it is expected to add pay for its draft
+steps. Plain decoding is the tree with the root alone, so drafting happens only where it is expected to beat it.
 
 Rates are Beta posteriors over counts that decay every step: estimates follow the text (a passage being copied,
 then new writing), and a drafter left unused grows uncertain until its optimistic estimate (mean + one standard
-deviation) pays again, when it is tried: exploration that costs little where a drafter keeps losing.
+deviation) pays again, when it is tried. Between those, ``Exploration`` verifies a proposal the planner turned
+down now and then, from a budget of a small share of decoding time: no estimate can keep a drafter off for long
+while the text would make it pay, and what that costs is bounded.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import statistics
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 
+from .costs import StepCosts
 from .tree import DraftTree
 
 CONFIDENCE_EDGES = (0.1, 0.2, 0.4, 0.6, 0.8)  # fast-stream draft probability buckets
-
-
-class StepCosts:
-    """Seconds per verification step (by positions verified) and per fast-stream draft step.
-
-    A step's time is its wall-clock time, everything a step does but the fast stream's drafting (priced apart);
-    a plain step's is the pipelined one, what plain decoding itself would take. Times are kept per context-length
-    bucket (below 512 positions, then each doubling): attention makes a wide verification dearer, against a
-    plain step, the longer the context. Each size's time is the median of its latest measurements (a forward
-    that a busy machine or a first-time shape slowed down does not move it). A size measured fewer than twice
-    reads a line through the others, weighted by how often each was measured; a bucket with fewer than two
-    sizes borrows the nearest bucket's, scaled by their plain steps."""
-
-    def __init__(self, draft_fraction: float, smoothing: float = 0.2, window: int = 15, max_weight: int = 10):
-        self.tables: dict[int, dict[int, deque]] = {}  # context bucket -> positions verified -> seconds
-        self.context = 0  # positions in the cache now: which bucket verify_cost reads and observe_verify feeds
-        self.provisional: set[tuple[int, int]] = set()  # (bucket, size) whose times are calibration's so far
-        self.draft: float | None = None
-        self.draft_fraction = draft_fraction  # before any draft step is timed: that share of a one-token forward
-        self.smoothing, self.window, self.max_weight = smoothing, window, max_weight
-
-    @staticmethod
-    def context_bucket(context: int) -> int:
-        return max(0, int(context).bit_length() - 9)  # 0: < 512 positions, 1: < 1024, 2: < 2048, ...
-
-    @property
-    def times(self) -> dict[int, deque]:
-        return self.tables.setdefault(self.context_bucket(self.context), {})
-
-    @property
-    def verify(self) -> dict[int, float]:
-        """The current bucket's median seconds per size."""
-        return {n: statistics.median(ts) for n, ts in sorted(self.times.items())}
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
-    def observe_verify(self, n: int, seconds: float, provisional: bool = False) -> None:
-        """``provisional``: a bare forward timed before decoding (calibration), replaced by the size's first
-        whole-step measurement in this bucket, since a whole step also pays for what surrounds the forward."""
-        key = (self.context_bucket(self.context), n)
-        times = self.times.setdefault(n, deque(maxlen=self.window))
-        if provisional:
-            self.provisional.add(key)
-        elif key in self.provisional:
-            self.provisional.discard(key)
-            times.clear()
-        times.append(seconds)
-
-    def observe_draft(self, seconds_per_step: float) -> None:
-        self.draft = self._ema(self.draft, seconds_per_step)
-
-    @property
-    def calibrated(self) -> bool:
-        return any(len(t) >= 2 for t in self.tables.values())
-
-    def _line(self, times: dict[int, deque], n: int) -> float | None:
-        """Seconds for ``n`` positions from one bucket's measurements; None below two sizes measured."""
-        if len(times.get(n, ())) >= 2:
-            return statistics.median(times[n])
-        if len(times) < 2:
-            return None
-        xs = sorted(times)
-        ys = [statistics.median(times[x]) for x in xs]
-        ws = [min(len(times[x]), self.max_weight) for x in xs]
-        total = sum(ws)
-        mx = sum(w * x for w, x in zip(ws, xs)) / total
-        my = sum(w * y for w, y in zip(ws, ys)) / total
-        slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / max(
-            sum(w * (x - mx) ** 2 for w, x in zip(ws, xs)), 1e-12
-        )
-        return max(my + max(slope, 0.0) * (n - mx), 1e-6)
-
-    def verify_cost(self, n: int) -> float:
-        here = self.context_bucket(self.context)
-        cost = self._line(self.times, n)
-        if cost is not None:
-            return cost
-        others = sorted((b for b, t in self.tables.items() if b != here and len(t) >= 2), key=lambda b: abs(b - here))
-        if others:
-            near = self.tables[others[0]]
-            scale = 1.0
-            if len(self.times.get(1, ())) and len(near.get(1, ())):
-                scale = statistics.median(self.times[1]) / statistics.median(near[1])
-            return self._line(near, n) * scale
-        ys = [statistics.median(t) for t in self.times.values()]
-        base = ys[0] if ys else 1.0
-        first = min(self.times) if self.times else 1
-        return base * (1 + 0.05 * (n - first))  # until a second size is timed
-
-    def extra(self, n: int) -> float:
-        """Seconds that verifying one more position adds to an n-position step: never negative, though two
-        sizes' medians may be out of order on a noisy machine."""
-        return max(self.verify_cost(n + 1) - self.verify_cost(n), 0.0)
-
-    def draft_cost(self) -> float:
-        return self.draft if self.draft is not None else self.draft_fraction * self.verify_cost(1)
 
 
 def bucket(kind: str, signal: float | None) -> int:
@@ -235,3 +140,36 @@ class Planner:
             return pi * seconds > tokens * extra
 
         return decide
+
+
+@dataclass
+class Exploration:
+    """A budget for probes: verifications the planner would not choose, made to re-measure a drafter's acceptance
+    (and the costs of sizes not verified lately). Every step earns ``share`` of its seconds; a probe spends what it
+    cost beyond a plain step. The budget holds at most ``cap`` plain steps, so a long run does not bank probes."""
+
+    share: float = 0.02
+    cap: float = 4.0  # plain steps
+    credit: float = 0.0  # seconds
+    since: dict[str, int] = field(default_factory=dict)  # drafter kind -> steps since it was last verified
+
+    def earn(self, seconds: float, plain: float) -> None:
+        self.credit = min(self.credit + self.share * seconds, self.cap * plain)
+
+    def affords(self, seconds: float) -> bool:
+        return self.share > 0 and self.credit >= seconds
+
+    def spend(self, seconds: float) -> None:
+        self.credit -= max(seconds, 0.0)
+
+    def tried(self, kind: str) -> None:
+        self.since[kind] = 0
+
+    def tick(self, kinds) -> None:
+        for kind in kinds:
+            self.since[kind] = self.since.get(kind, 0) + 1
+
+    def stalest(self, kinds) -> str | None:
+        """The drafter left untried longest (at least a few steps), the one a probe should test."""
+        waiting = [k for k in kinds if self.since.get(k, 0) >= 4]
+        return max(waiting, key=lambda k: self.since.get(k, 0), default=None)

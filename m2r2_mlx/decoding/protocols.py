@@ -22,6 +22,7 @@ class Decoder(Protocol):
     name: str  # the mode's name ("plain", "speculative", ...)
     exit_layers: Sequence[int]  # the layer counts a token may leave at, for legends (the deepest: the model's)
     needs_adapters: bool  # it cannot run without M2R2 adapters
+    note: str  # one line for the app to show when the decoder is built ("" when there is nothing to say)
 
     def __call__(
         self, prompt: Sequence[int], cache: PromptCache | None = None, generation: GenerationConfig | None = None
