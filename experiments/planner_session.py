@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import m2r2_mlx  # (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import GenerationConfig
