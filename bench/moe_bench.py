@@ -32,6 +32,7 @@ from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe import ExpertStore, Link, offload_experts
 from m2r2_mlx.moe.cache import resolve_slots
+from m2r2_mlx.moe.predictors import PREDICTORS
 from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor, store_folder
 
@@ -40,15 +41,10 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm.auto import tqdm
 
-METHODS = ("resident", "lru", "pregating", "m2r2", "m2r2-fused", "shuffled")
-LABELS = {
-    "resident": "all resident",
-    "lru": "on-demand LRU",
-    "pregating": "pre-gating (next layer)",
-    "m2r2": "M2R2 ahead-of-time",
-    "m2r2-fused": "M2R2 ahead-of-time, fused rows",
-    "shuffled": "shuffled control",
-}
+# every registered predictor that needs no recorded run; on-demand loading is the "lru" row
+PREDICTED = tuple(name for name, e in PREDICTORS.items() if name != "none" and not e.needs_trace)
+METHODS = ("resident", "lru", *PREDICTED)
+LABELS = {"resident": "all resident", "lru": "on-demand LRU", **{name: PREDICTORS[name].label for name in PREDICTED}}
 DEFAULT_MODEL = Path("build/smollm2-moe")  # python -m m2r2_mlx.moe.moefy -o build/smollm2-moe --adapters
 
 
@@ -127,8 +123,9 @@ def setup(args, method: str, budget: float, store, link: Link | None):
     if method == "resident":
         return lm.model, None, None
     cache = offload_experts(lm.model, store, budget / 100, policy=args.policy, link=link)
-    m2r2 = load_adapters(lm, args.adapters) if method.startswith("m2r2") else None
-    predictor = attach_predictor(cache, "none" if method == "lru" else method, m2r2, args.m2r2_intervals)
+    name = "none" if method == "lru" else method
+    m2r2 = load_adapters(lm, args.adapters) if PREDICTORS[name].needs_adapters else None
+    predictor = attach_predictor(cache, name, m2r2, args.m2r2_intervals)
     return lm.model, cache, predictor
 
 
@@ -171,11 +168,12 @@ def measure(args, method, budget, store, link, prompts, reference) -> dict:
     """One row: decode tokens/s and the cache's counters over ``prompts``, tokens checked against ``reference``."""
     model, cache, predictor = setup(args, method, budget, store, link)
     greedy(model, prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
+    fast = predictor is not None and predictor.fast_layer_passes is not None
 
     def measure_from_here(cache=cache, predictor=predictor):  # after each prompt's prefill: count decode steps only
         if cache:
             cache.reset()
-        if hasattr(predictor, "fast_layer_passes"):
+        if fast:
             predictor.fast_layer_passes = 0
 
     stats, passes, tokens, seconds, same = [], [], 0, [], True
@@ -188,7 +186,7 @@ def measure(args, method, budget, store, link, prompts, reference) -> dict:
         tokens += len(out) - 1
         if cache:
             stats.append(cache.stats.summary())
-        if hasattr(predictor, "fast_layer_passes"):
+        if fast:
             passes.append(predictor.fast_layer_passes)
     row = {
         "method": method,
