@@ -20,19 +20,19 @@ method across that ratio: where ahead-of-time loading pays and where it cannot.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
-from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.core.adapters import load_adapters
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
-from m2r2_mlx.moe import ExpertStore, Link, offload_experts
+from m2r2_mlx.moe import CacheStats, ExpertStore, Link, offload_experts
 from m2r2_mlx.moe.cache import resolve_slots
-from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
+from m2r2_mlx.moe.predictors import PREDICTORS
+from m2r2_mlx.moe.profiles import PROFILES, Profile, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor, store_folder
 
 import mlx.core as mx
@@ -40,16 +40,78 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm.auto import tqdm
 
-METHODS = ("resident", "lru", "pregating", "m2r2", "m2r2-fused", "shuffled")
-LABELS = {
-    "resident": "all resident",
-    "lru": "on-demand LRU",
-    "pregating": "pre-gating (next layer)",
-    "m2r2": "M2R2 ahead-of-time",
-    "m2r2-fused": "M2R2 ahead-of-time, fused rows",
-    "shuffled": "shuffled control",
-}
+from .moe_bench_report import write_report
+
+# every registered predictor that needs no recorded run; on-demand loading is the "lru" row
+PREDICTED = tuple(name for name, e in PREDICTORS.items() if name != "none" and not e.needs_trace)
+METHODS = ("resident", "lru", *PREDICTED)
+LABELS = {"resident": "all resident", "lru": "on-demand LRU", **{name: PREDICTORS[name].label for name in PREDICTED}}
 DEFAULT_MODEL = Path("build/smollm2-moe")  # python -m m2r2_mlx.moe.moefy -o build/smollm2-moe --adapters
+
+
+@dataclass(frozen=True)
+class MoEBenchConfig:
+    """What one run measures; every value is checked on construction, before anything loads, in one line each."""
+
+    model: str
+    adapters: str  # M2R2 adapters for the model
+    prompts: Path  # held-out token ids (.npy): prompts are windows of it
+    methods: tuple[str, ...] = METHODS
+    budgets: tuple[float, ...] = (100.0, 50.0, 25.0)  # percent of all experts
+    experts: Path | None = None  # the expert store (None: m2r2's cache, exported on first use)
+    num_prompts: int = 6
+    prompt_tokens: int = 48
+    max_tokens: int = 48  # new tokens per prompt
+    link_gbps: float = 0.5  # 0: unthrottled
+    latency_ms: float = 0.05
+    profile: Profile | None = None  # sets the link by its transfer/compute ratio
+    ratio: float | None = None  # as a profile, with this ratio
+    regime_ratios: tuple[float, ...] = ()  # also run every method at these ratios, at regime_budget
+    regime_budget: float = 25.0
+    regime_prompts: int = 3
+    policy: str = "lru"
+    m2r2_intervals: int | None = None  # M2R2: run the fast stream ahead in the first N gate intervals only
+
+    def __post_init__(self):
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise M2R2Error(f"unknown MoE method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
+        if self.profile is not None and self.ratio is not None:
+            raise M2R2Error("--profile and --ratio both set the link; pass one")
+        if self.ratio is not None and not self.ratio > 0 or any(not r > 0 for r in self.regime_ratios):
+            raise M2R2Error("transfer/compute ratios (--ratio, --regime-map) must be positive")
+        if self.num_prompts < 1 or self.max_tokens < 2 or self.prompt_tokens < 1 or self.regime_prompts < 1:
+            raise M2R2Error(
+                "--num-prompts, --regime-prompts and --prompt-tokens must be at least 1, --max-tokens at least 2"
+            )
+        if not self.prompts.is_file():
+            raise M2R2Error(
+                f"{self.prompts} not found; build the model with python -m m2r2_mlx.moe.moefy -o {Path(self.model)} "
+                "--adapters (it writes heldout.npy), or pass --prompts"
+            )
+
+    @property
+    def link_ratio(self) -> float | None:
+        """One expert's transfer time / one layer's compute time that sets the link (None: the link as given)."""
+        return self.profile.ratio if self.profile is not None else self.ratio
+
+
+def default_prompts(model: str) -> Path:
+    """The model folder's held-out ids (moefy writes them), else the tiny OLMoE's."""
+    own = Path(model) / "heldout.npy"
+    return own if own.is_file() else Path("build/olmoe-data/eval.npy")
+
+
+def numbers(budgets: str, regime_map: str | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """--budgets and --regime-map as numbers."""
+    try:
+        return tuple(float(b) for b in budgets.split(",")), (
+            tuple(float(r) for r in regime_map.split(",")) if regime_map else ()
+        )
+    except ValueError:
+        raise M2R2Error(
+            f"--budgets and --regime-map take comma-separated numbers, got {budgets!r} and {regime_map!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,75 +183,41 @@ def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None) -> tuple[list[i
     return out, time.perf_counter() - start
 
 
-def setup(args, method: str, budget: float, store, link: Link | None):
+def setup(config: MoEBenchConfig, method: str, budget: float, store: ExpertStore, link: Link | None):
     """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor)."""
-    lm = load_model(args.model, tokenizer=False)  # token ids in, token ids out
+    lm = load_model(config.model, tokenizer=False)  # token ids in, token ids out
     if method == "resident":
         return lm.model, None, None
-    cache = offload_experts(lm.model, store, budget / 100, policy=args.policy, link=link)
-    m2r2 = load_adapters(lm, args.adapters) if method.startswith("m2r2") else None
-    predictor = attach_predictor(cache, "none" if method == "lru" else method, m2r2, args.m2r2_intervals)
-    return lm.model, cache, predictor
+    cache = offload_experts(lm.model, store, budget / 100, policy=config.policy, link=link)
+    name = "none" if method == "lru" else method
+    m2r2 = load_adapters(lm, config.adapters) if PREDICTORS[name].needs_adapters else None
+    return lm.model, cache, attach_predictor(cache, name, m2r2, config.m2r2_intervals)
 
 
-def check_args(args) -> tuple[list[str], list[float]]:
-    """Every input checked before anything loads: one line each."""
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise M2R2Error(f"unknown MoE method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
-    try:
-        budgets = [float(b) for b in args.budgets.split(",")]
-        args.ratios = [float(r) for r in args.regime_map.split(",")] if args.regime_map else []
-    except ValueError:
-        raise M2R2Error(
-            f"--budgets and --regime-map take comma-separated numbers, got {args.budgets!r} and {args.regime_map!r}"
-        ) from None
-    if args.profile is not None and args.ratio is not None:
-        raise M2R2Error("--profile and --ratio both set the link; pass one")
-    args.device = get_profile(args.profile) if args.profile is not None else None
-    if args.ratio is not None and not args.ratio > 0 or any(not r > 0 for r in args.ratios):
-        raise M2R2Error("transfer/compute ratios (--ratio, --regime-map) must be positive")
-    if args.num_prompts < 1 or args.max_tokens < 2 or args.prompt_tokens < 1 or args.regime_prompts < 1:
-        raise M2R2Error(
-            "--num-prompts, --regime-prompts and --prompt-tokens must be at least 1, --max-tokens at least 2"
-        )
-    folder = Path(args.model)
-    args.adapters = args.adapters or f"{str(args.model).rstrip('/')}-m2r2"
-    if args.prompts is None:
-        own = folder / "heldout.npy"
-        args.prompts = own if own.is_file() else Path("build/olmoe-data/eval.npy")
-    if not args.prompts.is_file():
-        raise M2R2Error(
-            f"{args.prompts} not found; build the model with python -m m2r2_mlx.moe.moefy -o {folder} "
-            "--adapters (it writes heldout.npy), or pass --prompts"
-        )
-    return methods, budgets
-
-
-def measure(args, method, budget, store, link, prompts, reference) -> dict:
+def measure(config: MoEBenchConfig, method: str, budget: float, store, link, prompts, reference: dict) -> dict:
     """One row: decode tokens/s and the cache's counters over ``prompts``, tokens checked against ``reference``."""
-    model, cache, predictor = setup(args, method, budget, store, link)
+    model, cache, predictor = setup(config, method, budget, store, link)
     greedy(model, prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
+    fast = predictor is not None and predictor.fast_layer_passes is not None
 
-    def measure_from_here(cache=cache, predictor=predictor):  # after each prompt's prefill: count decode steps only
+    def measure_from_here():  # after each prompt's prefill: count decode steps only
         if cache:
             cache.reset()
-        if hasattr(predictor, "fast_layer_passes"):
+        if fast:
             predictor.fast_layer_passes = 0
 
-    stats, passes, tokens, seconds, same = [], [], 0, [], True
+    stats, passes, tokens, seconds, same = CacheStats(), 0, 0, [], True
     for p_i, prompt in enumerate(prompts):
-        out, dt = greedy(model, prompt, args.max_tokens, on_prefilled=measure_from_here)
+        out, dt = greedy(model, prompt, config.max_tokens, on_prefilled=measure_from_here)
         if method == "resident":
             reference[p_i] = out
         same &= reference[p_i] == out
         seconds.append(dt)
         tokens += len(out) - 1
         if cache:
-            stats.append(cache.stats.summary())
-        if hasattr(predictor, "fast_layer_passes"):
-            passes.append(predictor.fast_layer_passes)
+            stats.add(cache.stats)
+        if fast:
+            passes += predictor.fast_layer_passes
     row = {
         "method": method,
         "budget": budget,
@@ -199,19 +227,17 @@ def measure(args, method, budget, store, link, prompts, reference) -> dict:
         "same_as_resident": same,
     }
     if cache:
-        agg = lambda k, stats=stats: sum(s[k] for s in stats)  # noqa: E731
-        steps = agg("tokens")
         row.update(
-            hit_rate=agg("hits") / max(1, agg("hits") + agg("misses")),
-            precision=agg("predicted_used") / agg("predicted") if agg("predicted") else None,
-            recall=agg("predicted_used") / agg("used_when_predicted") if agg("used_when_predicted") else None,
-            mb_per_token=agg("bytes_moved") / max(1, steps) / 1e6,
-            loads_per_token=(agg("misses") + agg("prefetch_loads")) / max(1, steps),
-            stall_ms_per_token=1e3 * agg("stall_s") / max(1, steps),
+            hit_rate=stats.hit_rate,
+            precision=stats.precision if stats.total("predicted") else None,
+            recall=stats.recall if stats.total("used_when_predicted") else None,
+            mb_per_token=stats.bytes_per_token / 1e6,
+            loads_per_token=stats.loads_per_token,
+            stall_ms_per_token=1e3 * stats.stall_per_token_s,
             slots=f"{min(cache.slots_per_layer.values())}/{cache.num_experts(cache.layers[0])}",
         )
-        if passes:
-            row["fast_layer_passes_per_token"] = sum(passes) / max(1, steps)
+        if fast:
+            row["fast_layer_passes_per_token"] = passes / max(1, stats.tokens)
         cache.close()
     return row
 
@@ -231,72 +257,65 @@ def with_vs_lru(
     return rows
 
 
-def run(args) -> dict:
-    methods, budgets = check_args(args)
-    ids = np.load(args.prompts)
-    span = args.prompt_tokens
-    if ids.size < args.num_prompts * span * 4:
-        raise M2R2Error(f"{args.prompts} holds {ids.size} tokens, too few for {args.num_prompts} prompts of {span}")
-    stride = ids.size // args.num_prompts
-    prompts = [ids[i * stride : i * stride + span] for i in range(args.num_prompts)]
-
-    lm = load_model(args.model, tokenizer=False)
-    folder = args.experts or store_folder(lm)
+def open_store(config: MoEBenchConfig) -> tuple[ExpertStore, int]:
+    """The model's expert store (exported on first use) and its number of layers."""
+    lm = load_model(config.model, tokenizer=False)
+    folder = config.experts or store_folder(lm)
     if not (folder / "experts.json").exists():
         print(f"exporting experts to {folder} (once)", file=sys.stderr)
         ExpertStore.export(lm.model, folder)
-    num_layers = len(lm.model.layers)
-    del lm
     store = ExpertStore.open(folder)
-    for b in budgets + ([args.regime_budget] if args.ratios else []):
+    for b in config.budgets + ((config.regime_budget,) if config.regime_ratios else ()):
         resolve_slots(b / 100, store)  # a budget below top-k fails now, in one line, before any run
+    return store, len(lm.model.layers)
+
+
+def run(config: MoEBenchConfig) -> dict:
+    """Every method at every budget (and ratio of the regime map); the result moe_bench.json holds."""
+    ids = np.load(config.prompts)
+    span = config.prompt_tokens
+    if ids.size < config.num_prompts * span * 4:
+        raise M2R2Error(f"{config.prompts} holds {ids.size} tokens, too few for {config.num_prompts} prompts of {span}")
+    stride = ids.size // config.num_prompts
+    prompts = [ids[i * stride : i * stride + span] for i in range(config.num_prompts)]
+    store, num_layers = open_store(config)
 
     reference: dict = {}
+    cached = [m for m in config.methods if m != "resident"]
     bar = tqdm(
-        total=(1 + len(budgets) * (len(methods) - ("resident" in methods))) * len(prompts)
-        + len(args.ratios) * (len(methods) - ("resident" in methods)),
+        total=(1 + len(config.budgets) * len(cached)) * len(prompts) + len(config.regime_ratios) * len(cached),
         desc="moe bench",
         unit="run",
     )
     # all experts resident: the tokens every other row is checked against, and this machine's compute
-    resident = measure(args, "resident", 100.0, store, None, prompts, reference)
+    resident = measure(config, "resident", 100.0, store, None, prompts, reference)
     bar.update(len(prompts))
     # one layer's compute on this machine: the all-resident decode step shared over the layers
     layer_ms = 1e3 / resident["tokens_per_s"] / num_layers
-    ratio = args.device.ratio if args.device else args.ratio
+    ratio = config.link_ratio
     if ratio is not None:
         link = link_for(ratio, store.expert_bytes(), layer_ms)
     else:
-        link = Link(args.link_gbps or None, args.latency_ms if args.link_gbps else 0.0)
+        link = Link(config.link_gbps or None, config.latency_ms if config.link_gbps else 0.0)
     rows = [resident]
-    for b in budgets:
-        for m in methods:
-            if m == "resident":
-                continue
+    for b in config.budgets:
+        for m in cached:
             bar.set_postfix_str(f"{m} {b:g}%")
-            rows.append(measure(args, m, b, store, fresh(link), prompts, reference))
+            rows.append(measure(config, m, b, store, fresh(link), prompts, reference))
             bar.update(len(prompts))
     regime = []
-    for r in args.ratios:
-        for m in methods:
-            if m == "resident":
-                continue
+    for r in config.regime_ratios:
+        for m in cached:
             bar.set_postfix_str(f"ratio {r:g} {m}")
-            row = measure(
-                args,
-                m,
-                args.regime_budget,
-                store,
-                link_for(r, store.expert_bytes(), layer_ms),
-                prompts[: args.regime_prompts],
-                reference,
-            )
+            link_r = link_for(r, store.expert_bytes(), layer_ms)
+            row = measure(config, m, config.regime_budget, store, link_r, prompts[: config.regime_prompts], reference)
             regime.append({**row, "ratio": r})
             bar.update()
     bar.close()
+    compute_ms = 1e3 / resident["tokens_per_s"]
     return {
-        "model": str(args.model),
-        "profile": args.profile,
+        "model": str(config.model),
+        "profile": config.profile.name if config.profile is not None else None,
         "ratio": ratio,
         "layer_ms": layer_ms,
         "link_gbps": link.gb_per_s,
@@ -304,16 +323,14 @@ def run(args) -> dict:
         "expert_bytes": store.expert_bytes(store.layers[0]),
         "prompts": len(prompts),
         "prompt_tokens": span,
-        "max_tokens": args.max_tokens,
+        "max_tokens": config.max_tokens,
         "rows": with_vs_lru(
-            rows,
-            compute_ms=1e3 / resident["tokens_per_s"],
-            expert_ms={None: link.min_seconds(store.expert_bytes()) * 1e3},
+            rows, compute_ms=compute_ms, expert_ms={None: link.min_seconds(store.expert_bytes()) * 1e3}
         ),
-        "regime_budget": args.regime_budget,
-        "regime_prompts": min(args.regime_prompts, len(prompts)),
+        "regime_budget": config.regime_budget,
+        "regime_prompts": min(config.regime_prompts, len(prompts)),
         "regime": with_vs_lru(
-            regime, "ratio", compute_ms=1e3 / resident["tokens_per_s"], expert_ms={r: r * layer_ms for r in args.ratios}
+            regime, "ratio", compute_ms=compute_ms, expert_ms={r: r * layer_ms for r in config.regime_ratios}
         ),
     }
 
@@ -323,133 +340,36 @@ def fresh(link: Link) -> Link:
     return Link(link.gb_per_s, link.latency_ms)
 
 
-def table(result: dict, rows: list[dict] | None = None, first: str = "budget") -> str:
-    """The rows as markdown; ``first="ratio"``: the regime map's rows, led by their transfer/compute ratio."""
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    lines = [
-        f"| {first} | method | slots/layer | tokens/s | vs LRU | hit rate | precision | recall | loads/token | "
-        "MB/token | stall ms/token | fast rows/token | overlap ceiling | tokens = resident |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"] if rows is None else rows:
-        if first == "ratio":
-            lead = f"{r['ratio']:g}"
-        else:
-            lead = "all" if r["method"] == "resident" else f"{r['budget']:g}%"
-        lines.append(
-            f"| {lead} | {LABELS[r['method']]} | {r.get('slots', '-')} | {r['tokens_per_s']:.1f} | "
-            f"{f(r['vs_lru'], '.2f')}x | {f(r.get('hit_rate'), '.1%')} | {f(r.get('precision'), '.1%')} | "
-            f"{f(r.get('recall'), '.1%')} | {f(r.get('loads_per_token'), '.1f')} | {f(r.get('mb_per_token'), '.2f')} | "
-            f"{f(r.get('stall_ms_per_token'), '.2f')} | {f(r.get('fast_layer_passes_per_token'), '.0f')} | "
-            f"{f(r.get('overlap_ceiling'), '.2f')}{'x' if r.get('overlap_ceiling') else ''} | "
-            f"{'yes' if r['same_as_resident'] else 'NO'} |"
-        )
-    return "\n".join(lines).replace("| -x |", "| - |")
-
-
-def plot_regime(result: dict, path: Path) -> None:
-    """Speedup over on-demand LRU against the transfer/compute ratio, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["regime"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for m in METHODS:
-        pts = sorted((r["ratio"], r["vs_lru"]) for r in rows if r["method"] == m)
-        if pts and m != "lru":
-            ax.plot(*zip(*pts), "o-", label=LABELS[m])
-    ax.axhline(1.0, color="gray", ls="--", label="on-demand LRU")
-    ceiling = sorted((r["ratio"], r["overlap_ceiling"]) for r in rows if r.get("overlap_ceiling"))
-    if ceiling:
-        ax.plot(*zip(*ceiling), "k--", lw=1, label="LRU's loads fully hidden (ceiling)")
-    for name in PROFILES:
-        ax.axvline(PROFILES[name].ratio, color="k", ls=":", lw=0.8)
-        ax.text(PROFILES[name].ratio, ax.get_ylim()[1], f" {name}", rotation=90, va="top", fontsize=8)
-    ax.set_xscale("log")
-    ax.set(
-        xlabel="one expert's transfer time / one layer's compute time",
-        ylabel="decode tokens/s vs on-demand LRU",
-        title=f"regime map: {result['regime_budget']:g}% expert budget",
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_save_figure(fig, path)
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if r["method"] != "resident"]
-    budgets = sorted({r["budget"] for r in rows}, reverse=True)
-    methods = [m for m in METHODS if m != "resident" and any(r["method"] == m for r in rows)]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        tps = [next((r["tokens_per_s"] for r in rows if r["method"] == m and r["budget"] == bu), 0) for bu in budgets]
-        hit = [next((r["hit_rate"] for r in rows if r["method"] == m and r["budget"] == bu), 0) for bu in budgets]
-        xs = np.arange(len(budgets)) + (i - (len(methods) - 1) / 2) * width
-        a.bar(xs, tps, width, label=LABELS[m])
-        b.plot(range(len(budgets)), hit, "o-", label=LABELS[m])
-    resident = next((r for r in result["rows"] if r["method"] == "resident"), None)
-    if resident:
-        a.axhline(resident["tokens_per_s"], color="gray", ls="--", label="all resident")
-    for ax in (a, b):
-        ax.set_xticks(range(len(budgets)), [f"{bu:g}%" for bu in budgets])
-        ax.set_xlabel("expert budget (share of all experts in memory)")
-    a.set(ylabel="decode tokens/s", title=link_line(result).split(" (")[0])
-    b.set(ylabel="hit rate", ylim=(0, 1.05), title="expert cache hit rate")
-    a.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_save_figure(fig, path)
-
-
-def link_line(result: dict) -> str:
-    gbps = "unthrottled" if result["link_gbps"] is None else f"{result['link_gbps']:.3g} GB/s"
-    line = f"link {gbps} + {result['latency_ms']:.3g} ms per transfer"
-    if result["ratio"] is not None:
-        expert_ms = result["ratio"] * result["layer_ms"]
-        line += (
-            f" (profile {result['profile'] or 'custom'}: one expert {expert_ms:.2f} ms = {result['ratio']:.2f} x "
-            f"one layer's compute, {result['layer_ms']:.2f} ms measured here)"
-        )
-    return line
-
-
-def _main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result = run(args)
-    md = table(result)
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join(["m2r2-bench --moe", *(argv if argv is not None else sys.argv[1:])])
-    atomic_write_text(args.out / "moe_bench.json", json.dumps(result, indent=1))
-    atomic_write_text(
-        args.out / "moe_bench_table.md",
-        f"`{cmd}`: {result['prompts']} held-out prompts of {result['prompt_tokens']} tokens, "
-        f"{result['max_tokens']} greedy tokens each, float32; expert {result['expert_bytes'] / 1e3:.0f} KB; "
-        f"{link_line(result)}.\n\n{md}\n",
-    )
-    plot(result, args.out / "moe_bench.png")
-    if result["regime"]:
-        rmd = table(result, result["regime"], first="ratio")
-        print(rmd)
-        atomic_write_text(
-            args.out / "moe_regime.md",
-            f"`{cmd}`: regime map at a {result['regime_budget']:g}% budget, {result['regime_prompts']} prompts; "
-            f"ratio = one expert's transfer time / one layer's compute time ({result['layer_ms']:.2f} ms here); "
-            f"profiles: " + ", ".join(f"{p.name} {p.ratio:.2f}" for p in PROFILES.values()) + f".\n\n{rmd}\n",
-        )
-        plot_regime(result, args.out / "moe_regime.png")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(run_cli("m2r2-bench --moe", lambda: _main(argv)))
+    args = build_parser().parse_args(argv)
+    cmd = " ".join(["m2r2-bench --moe", *(argv if argv is not None else sys.argv[1:])])
+
+    def body() -> int:
+        budgets, ratios = numbers(args.budgets, args.regime_map)
+        config = MoEBenchConfig(
+            model=args.model,
+            adapters=args.adapters or f"{str(args.model).rstrip('/')}-m2r2",
+            prompts=args.prompts or default_prompts(args.model),
+            methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+            budgets=budgets,
+            experts=args.experts,
+            num_prompts=args.num_prompts,
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            link_gbps=args.link_gbps,
+            latency_ms=args.latency_ms,
+            profile=get_profile(args.profile) if args.profile is not None else None,
+            ratio=args.ratio,
+            regime_ratios=ratios,
+            regime_budget=args.regime_budget,
+            regime_prompts=args.regime_prompts,
+            policy=args.policy,
+            m2r2_intervals=args.m2r2_intervals,
+        )
+        write_report(run(config), LABELS, args.out, cmd)
+        return 0
+
+    sys.exit(run_cli("m2r2-bench --moe", body))
 
 
 if __name__ == "__main__":

@@ -4,17 +4,20 @@ m2r2-bench --moe runs every method end to end on a tiny OLMoE and writes its fil
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 from m2r2_mlx.core.adapters import new_m2r2, save_adapters
+from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, Prefetcher, offload_experts
 from m2r2_mlx.moe.fast_predictor import FastStreamPredictor
+from m2r2_mlx.moe.profiles import PROFILES
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from m2r2_bench.moe_bench import greedy
+from m2r2_bench.moe_bench import MoEBenchConfig, greedy, numbers
 from tests.tiny import tiny_model
 
 PROMPT = np.array([3, 17, 42, 8, 99, 23, 5, 61, 12, 7])
@@ -124,3 +127,29 @@ def test_bench_moe_bad_input_is_one_line(tmp_path):
     )
     assert r.returncode != 0 and "psychic" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(methods=("lru", "psychic")), "unknown MoE method.* psychic; choose from resident, lru, pregating"),
+        (dict(profile=PROFILES["macbook"], ratio=2.0), "pass one"),
+        (dict(regime_ratios=(1.0, 0.0)), "must be positive"),
+        (dict(max_tokens=1), "--max-tokens at least 2"),
+        (dict(prompts=Path("no-such-ids.npy")), "no-such-ids.npy not found"),
+    ],
+)
+def test_bench_config_is_checked_before_anything_loads(tmp_path, change, message):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(10))
+    assert MoEBenchConfig("m", "m-m2r2", ids).link_ratio is None
+    assert MoEBenchConfig("m", "m-m2r2", ids, profile=PROFILES["macbook"]).link_ratio == PROFILES["macbook"].ratio
+    with pytest.raises(M2R2Error, match=message):
+        MoEBenchConfig(**{"model": "m", "adapters": "m-m2r2", "prompts": ids, **change})
+
+
+def test_bench_budgets_and_ratios_are_numbers():
+    assert numbers("100,50", None) == ((100.0, 50.0), ())
+    assert numbers("25", "0.5,2") == ((25.0,), (0.5, 2.0))
+    with pytest.raises(M2R2Error, match="comma-separated numbers, got '25,x'"):
+        numbers("25,x", None)

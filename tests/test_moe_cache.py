@@ -6,6 +6,7 @@ import time
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import (
+    CacheStats,
     ExpertStore,
     Link,
     Oracle,
@@ -271,6 +272,21 @@ def test_shuffled_control_recalls_less_than_pregating_and_the_oracle(stores):
     assert oracle.misses < pregating.misses
     assert shuffled.recall < pregating.recall < oracle.recall
     assert shuffled.total("predicted") == pregating.total("predicted")  # the same number of experts
+
+
+def test_stats_of_several_runs_add_up_to_their_sums():
+    """How m2r2-bench --moe counts a row over its prompts: each prompt's stats added to one CacheStats."""
+    a, b, total = CacheStats(tokens=4, steps=4, stall_s=0.5), CacheStats(tokens=6, steps=6, stall_s=0.25), CacheStats()
+    a.layer(0).hits, a.layer(0).misses, a.layer(0).prefetch_loads = 3, 1, 2
+    b.layer(0).hits, b.layer(1).misses, b.layer(1).predicted, b.layer(1).predicted_used = 5, 3, 4, 1
+    b.layer(1).used_when_predicted, b.layer(1).bytes_on_demand = 2, 300
+    total.add(a)
+    total.add(b)
+    assert total.tokens == 10 and total.steps == 10 and total.stall_s == 0.75
+    assert total.layers[0].hits == 8 and total.hits == 8 and total.misses == 4 and total.hit_rate == 8 / 12
+    assert total.precision == 1 / 4 and total.recall == 1 / 2
+    assert total.loads_per_token == (4 + 2) / 10 and total.bytes_per_token == 300 / 10
+    assert a.hits == 3 and b.hits == 5  # the parts are left as they were
 
 
 def test_quantized_experts_are_served_exactly(tmp_path):

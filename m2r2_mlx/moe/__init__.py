@@ -3,15 +3,17 @@
 store = ExpertStore.export(model, "experts/")          # once: experts to disk
 cache = offload_experts(model, "experts/", "25%", policy="lru", link=Link(16, 0.01))
 Prefetcher(cache); PreGating().attach(cache)            # optional: predicted experts in the background
+                                                        # (any predictor by name: serve.attach_predictor)
 ... decode as usual ...; cache.stats.summary()
 """
 
+from .baselines import LookaheadPredictor, NoPrediction, Oracle, PreGating, ShuffledControl
 from .blocks import moe_blocks, router
 from .cache import ExpertCache, parse_budget, resolve_slots
 from .link import Link
 from .offload import CachedSwitchGLU, offload_experts
 from .policies import LFU, LRU, make_policy
-from .predictors import Oracle, Predictor, PreGating, ShuffledControl
+from .predictors import PREDICTORS, Predictor, PredictorEntry, PredictorInputs, build_predictor, get_predictor
 from .prefetch import Prefetcher
 from .stats import CacheStats, LayerStats
 from .store import ExpertStore
@@ -25,11 +27,18 @@ __all__ = [
     "LRU",
     "LayerStats",
     "Link",
+    "LookaheadPredictor",
+    "NoPrediction",
     "Oracle",
+    "PREDICTORS",
     "PreGating",
     "Predictor",
+    "PredictorEntry",
+    "PredictorInputs",
     "Prefetcher",
     "ShuffledControl",
+    "build_predictor",
+    "get_predictor",
     "make_policy",
     "moe_blocks",
     "offload_experts",

@@ -71,7 +71,8 @@ class _GateTap(LayerTap):
 
 
 class FastStreamPredictor:
-    """Predict each interval's experts from the previous interval's fast-stream exit."""
+    """Predict each interval's experts from the previous interval's fast-stream exit (a ``Predictor``: the registry
+    in predictors.py names it ``m2r2``)."""
 
     def __init__(self, m2r2: M2R2Model, intervals: int | None = None):
         self.m2r2 = m2r2

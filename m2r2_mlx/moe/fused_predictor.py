@@ -78,7 +78,8 @@ class _FusedTap(LayerTap):
 
 
 class FusedPredictor:
-    """Predict experts from the fast stream's exits, computed as an extra row of the slow pass."""
+    """Predict experts from the fast stream's exits, computed as an extra row of the slow pass (a ``Predictor``: the
+    registry in predictors.py names it ``m2r2-fused``)."""
 
     def __init__(self, m2r2: M2R2Model):
         if not m2r2.can_fuse:

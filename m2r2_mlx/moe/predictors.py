@@ -1,91 +1,122 @@
-"""Who predicts which experts the next layers will need. Each predictor listens to the cache
-(``attach``) and, before layer l computes, asks ``cache.prefetch`` for deeper layers.
+"""Who predicts which experts the next layers will need: the ``Predictor`` protocol, and ``PREDICTORS``, the one
+registry of predictors by name that `m2r2-chat --expert-predictor`, ``serve_with_budget`` and `m2r2-bench --moe`
+read. A new predictor is one entry here.
 
-``PreGating`` feeds layer l's input to the routers of the next layers (the slow state as a
-stand-in for theirs). ``ShuffledControl`` asks for as many experts as pre-gating would, at
-random (seeded): a prediction that carries no information, the control. ``Oracle`` replays
-the experts a previous identical run really used (the cache's ``trace``): the upper bound.
-The M2R2 fast stream submits its own predictions through ``Prefetcher.request`` / ``cache.prefetch``.
+A predictor is built unattached from ``PredictorInputs`` (what some predictors need: M2R2 adapters, a recorded
+trace), then ``attach(cache)`` hooks it into an ``ExpertCache``: it asks ``cache.prefetch`` (or a ``Prefetcher``)
+for the experts of layers the forward pass has not reached yet. ``detach()`` unhooks it.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
-import numpy as np
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
 
+from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
+from .baselines import NoPrediction, Oracle, PreGating, ShuffledControl
 from .cache import ExpertCache
+from .fast_predictor import FastStreamPredictor
+from .fused_predictor import FusedPredictor
 
 
-class Predictor:
-    """Base: on layer l, predict each of the next ``lookahead`` MoE layers and prefetch them."""
+@runtime_checkable
+class Predictor(Protocol):
+    """Names experts ahead of the forward pass, through the cache it is attached to."""
 
-    def __init__(self, lookahead: int = 1):
-        if lookahead < 1:
-            raise M2R2Error(f"lookahead must be at least 1 layer, got {lookahead}")
-        self.lookahead = lookahead
-        self.cache: ExpertCache | None = None
+    # layer passes (or fused rows) its fast stream ran since the counter was last zeroed; None: it runs none
+    fast_layer_passes: int | None
 
-    def attach(self, cache: ExpertCache) -> "Predictor":
-        self.cache = cache
-        cache.add_listener(self.on_layer)
-        return self
+    def attach(self, cache: ExpertCache) -> Predictor:
+        """Start predicting for ``cache``'s forward passes; returns itself."""
+        ...
 
     def detach(self) -> None:
-        if self.cache is not None:
-            self.cache.remove_listener(self.on_layer)
-            self.cache = None
-
-    def on_layer(self, layer: int, x: mx.array) -> None:
-        for target in self.cache.next_layers(layer, self.lookahead):
-            experts = self.predict(target, x)
-            if experts:
-                self.cache.prefetch(target, experts)
-
-    def predict(self, layer: int, x: mx.array) -> list[int]:
-        """Experts ``layer`` is expected to use at this step, most likely first."""
-        raise NotImplementedError
+        """Stop predicting; the model and cache are as before ``attach``."""
+        ...
 
 
-def _by_votes(ids: np.ndarray) -> list[int]:
-    """Distinct experts, the most often chosen (over tokens) first; ties by id."""
-    experts, votes = np.unique(ids.reshape(-1), return_counts=True)
-    return [int(e) for e in experts[np.argsort(-votes, kind="stable")]]
+@dataclass(frozen=True)
+class PredictorInputs:
+    m2r2: M2R2Model | None = None  # adapters trained on the model (entries that need_adapters)
+    intervals: int | None = None  # M2R2 run-ahead: the fast stream runs in the first N gate intervals only
+    trace: dict[tuple[int, int], list[int]] | None = None  # (step, layer) -> experts used (entries that need_trace)
 
 
-class PreGating(Predictor):
-    """Run the next layers' routers on this layer's input (no fast stream)."""
-
-    def attach(self, cache: ExpertCache) -> "PreGating":
-        missing = [l for l in cache.layers if l not in cache.routers]
-        if missing:
-            raise M2R2Error(
-                f"pre-gating needs the routers of MoE layers {missing}, which this model's blocks do not expose"
-            )
-        return super().attach(cache)
-
-    def predict(self, layer: int, x: mx.array) -> list[int]:
-        return _by_votes(np.array(self.cache.routers[layer](x)))
+@dataclass(frozen=True)
+class PredictorEntry:
+    name: str
+    label: str  # how tables and plots name it
+    help: str
+    build: Callable[[PredictorInputs], Predictor]  # unattached
+    needs_adapters: bool = False
+    needs_trace: bool = False  # replays a recorded run: for measurements only
+    control: bool = False  # a baseline that measurements compare against, of no use when serving
+    loads_ahead: bool = True  # needs the background loader (a Prefetcher) beside it
 
 
-class ShuffledControl(PreGating):
-    """As many experts as pre-gating predicts, drawn at random with a fixed seed."""
+PREDICTORS: dict[str, PredictorEntry] = {
+    e.name: e
+    for e in (
+        PredictorEntry(
+            "pregating",
+            "pre-gating (next layer)",
+            "the next layer's router on this layer's input (the slow state as a stand-in for its own)",
+            lambda i: PreGating(),
+        ),
+        PredictorEntry(
+            "m2r2",
+            "M2R2 ahead-of-time",
+            "M2R2's fast stream runs each gate interval ahead of the slow one; its exit state feeds the next "
+            "interval's routers (needs adapters for the model)",
+            lambda i: FastStreamPredictor(i.m2r2, intervals=i.intervals),
+            needs_adapters=True,
+        ),
+        PredictorEntry(
+            "m2r2-fused",
+            "M2R2 ahead-of-time, fused rows",
+            "M2R2's fast stream as a second row of the slow stream's own layer calls (needs bottleneck adapters)",
+            lambda i: FusedPredictor(i.m2r2),
+            needs_adapters=True,
+        ),
+        PredictorEntry(
+            "shuffled",
+            "shuffled control",
+            "as many experts as pre-gating, drawn at random (seeded): a prediction that carries no information",
+            lambda i: ShuffledControl(seed=0),
+            control=True,
+        ),
+        PredictorEntry(
+            "oracle",
+            "oracle (recorded run)",
+            "the experts a previous identical run used (its cache.trace): the upper bound",
+            lambda i: Oracle(i.trace),
+            needs_trace=True,
+            control=True,
+        ),
+        PredictorEntry(
+            "none",
+            "on demand",
+            "no prediction: experts load when the router picks them",
+            lambda i: NoPrediction(),
+            loads_ahead=False,
+        ),
+    )
+}
 
-    def __init__(self, lookahead: int = 1, seed: int = 0):
-        super().__init__(lookahead)
-        self.rng = np.random.default_rng(seed)
 
-    def predict(self, layer: int, x: mx.array) -> list[int]:
-        n = len(super().predict(layer, x))
-        return [int(e) for e in self.rng.choice(self.cache.num_experts(layer), size=n, replace=False)]
+def get_predictor(name: str) -> PredictorEntry:
+    try:
+        return PREDICTORS[name]
+    except KeyError:
+        raise M2R2Error(f"unknown expert predictor {name!r}; choose from {', '.join(PREDICTORS)}") from None
 
 
-class Oracle(Predictor):
-    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run."""
-
-    def __init__(self, trace: dict[tuple[int, int], list[int]], lookahead: int = 1):
-        super().__init__(lookahead)
-        self.trace = trace
-
-    def predict(self, layer: int, x: mx.array) -> list[int]:
-        return list(self.trace.get((self.cache.step, layer), []))
+def build_predictor(name: str, inputs: PredictorInputs | None = None) -> Predictor:
+    """The named predictor, unattached; what it needs is checked first, in one line."""
+    entry, inputs = get_predictor(name), inputs or PredictorInputs()
+    if entry.needs_adapters and inputs.m2r2 is None:
+        raise M2R2Error(f"the {name} expert predictor needs M2R2 adapters trained on the model")
+    if entry.needs_trace and inputs.trace is None:
+        raise M2R2Error(f"the {name} expert predictor replays a recorded run: pass its trace (cache.trace)")
+    return entry.build(inputs)

@@ -12,19 +12,16 @@ import sys
 from pathlib import Path
 
 from ..core.adapters import load_adapters
+from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
 from ..models.registry import LoadedModel, cache_home
 from .blocks import moe_blocks
 from .cache import ExpertCache, parse_budget
-from .fast_predictor import FastStreamPredictor
-from .fused_predictor import FusedPredictor
 from .link import Link
 from .offload import offload_experts
-from .predictors import PreGating, ShuffledControl
+from .predictors import Predictor, PredictorInputs, build_predictor, get_predictor
 from .prefetch import Prefetcher
 from .store import ExpertStore
-
-PREDICTORS = ("pregating", "m2r2", "m2r2-fused", "shuffled", "none")
 
 
 def store_folder(lm: LoadedModel) -> Path:
@@ -44,14 +41,14 @@ def serve_with_budget(
         raise M2R2Error(
             f"--memory-budget applies to mixture-of-experts models (e.g. --model olmoe); {lm.name} has no experts"
         )
-    if predictor not in PREDICTORS:
-        raise M2R2Error(f"unknown expert predictor {predictor!r}; choose from {', '.join(PREDICTORS)}")
+    entry = get_predictor(predictor)
+    if entry.needs_trace:
+        raise M2R2Error(f"--expert-predictor {predictor} replays a recorded run; serving has none to replay")
     parse_budget(budget)  # bad input fails before the (possibly long) export
     m2r2 = None
-    if predictor.startswith("m2r2"):
+    if entry.needs_adapters:
         if adapters is None:
-            raise M2R2Error("--expert-predictor m2r2 needs --adapters trained on this model")
-
+            raise M2R2Error(f"--expert-predictor {predictor} needs --adapters trained on this model")
         m2r2 = load_adapters(lm, adapters)
     folder = store_folder(lm)
     if not (folder / "experts.json").exists():
@@ -65,20 +62,20 @@ def serve_with_budget(
     return cache
 
 
-def attach_predictor(cache: ExpertCache, predictor: str, m2r2=None, intervals: int | None = None):
-    """A background loader plus the named predictor (``m2r2`` needs the loaded adapters; ``intervals``:
-    how many gate intervals its fast stream runs ahead in); returns the predictor, or None."""
-    if predictor == "none":
-        return None
-    Prefetcher(cache)
-    if predictor == "pregating":
-        return PreGating().attach(cache)
-    if predictor == "shuffled":
-        return ShuffledControl(seed=0).attach(cache)
-    if predictor == "m2r2-fused":
-        return FusedPredictor(m2r2).attach(cache)
-
-    return FastStreamPredictor(m2r2, intervals=intervals).attach(cache)
+def attach_predictor(
+    cache: ExpertCache,
+    predictor: str,
+    m2r2: M2R2Model | None = None,
+    intervals: int | None = None,
+    trace: dict[tuple[int, int], list[int]] | None = None,
+) -> Predictor:
+    """The named predictor (predictors.PREDICTORS) attached to ``cache``, with a background loader where it loads
+    ahead. ``m2r2``: the loaded adapters, for the M2R2 predictors; ``intervals``: how many gate intervals the
+    run-ahead fast stream runs in (default all); ``trace``: the recorded run the oracle replays."""
+    built = build_predictor(predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace))
+    if get_predictor(predictor).loads_ahead:
+        Prefetcher(cache)
+    return built.attach(cache)
 
 
 def budget_line(cache: ExpertCache, width: int = 20) -> str:

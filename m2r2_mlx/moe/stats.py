@@ -79,12 +79,27 @@ class CacheStats:
         return _ratio(self.stall_s, self.tokens)
 
     @property
+    def loads_per_token(self) -> float:
+        """Experts over the link per token: on-demand loads and prefetches."""
+        return _ratio(self.misses + self.total("prefetch_loads"), self.tokens)
+
+    @property
     def precision(self) -> float:
         return _ratio(self.total("predicted_used"), self.total("predicted"))
 
     @property
     def recall(self) -> float:
         return _ratio(self.total("predicted_used"), self.total("used_when_predicted"))
+
+    def add(self, other: CacheStats) -> None:
+        """Count ``other``'s counters in these too: several runs (each cache.reset() zeroes the cache's) as one."""
+        for f in fields(self):
+            if f.name != "layers":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for l, theirs in other.layers.items():
+            mine = self.layer(l)
+            for f in fields(LayerStats):
+                setattr(mine, f.name, getattr(mine, f.name) + getattr(theirs, f.name))
 
     def reset(self) -> None:
         for f in fields(self):

@@ -1,0 +1,111 @@
+"""The baseline predictors, each listening to the cache (``attach``) and, before layer l computes, asking
+``cache.prefetch`` for deeper layers.
+
+``PreGating`` feeds layer l's input to the routers of the next layers (the slow state as a
+stand-in for theirs). ``ShuffledControl`` asks for as many experts as pre-gating would, at
+random (seeded): a prediction that carries no information, the control. ``Oracle`` replays
+the experts a previous identical run really used (the cache's ``trace``): the upper bound.
+``NoPrediction`` asks for nothing: every expert loads on demand. The M2R2 fast stream's
+predictors are in fast_predictor.py and fused_predictor.py; predictors.py names them all.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import M2R2Error
+from .cache import ExpertCache
+
+
+class NoPrediction:
+    """Predicts nothing: experts load when the router picks them (on demand)."""
+
+    fast_layer_passes: int | None = None  # runs no fast stream
+
+    def __init__(self):
+        self.cache: ExpertCache | None = None
+
+    def attach(self, cache: ExpertCache) -> "NoPrediction":
+        self.cache = cache
+        return self
+
+    def detach(self) -> None:
+        self.cache = None
+
+
+class LookaheadPredictor:
+    """Shared code of the per-layer predictors: on layer l, predict each of the next ``lookahead`` MoE layers and
+    prefetch them. Subclasses implement ``predict``."""
+
+    fast_layer_passes: int | None = None  # runs no fast stream
+
+    def __init__(self, lookahead: int = 1):
+        if lookahead < 1:
+            raise M2R2Error(f"lookahead must be at least 1 layer, got {lookahead}")
+        self.lookahead = lookahead
+        self.cache: ExpertCache | None = None
+
+    def attach(self, cache: ExpertCache) -> "LookaheadPredictor":
+        self.cache = cache
+        cache.add_listener(self.on_layer)
+        return self
+
+    def detach(self) -> None:
+        if self.cache is not None:
+            self.cache.remove_listener(self.on_layer)
+            self.cache = None
+
+    def on_layer(self, layer: int, x: mx.array) -> None:
+        for target in self.cache.next_layers(layer, self.lookahead):
+            experts = self.predict(target, x)
+            if experts:
+                self.cache.prefetch(target, experts)
+
+    def predict(self, layer: int, x: mx.array) -> list[int]:
+        """Experts ``layer`` is expected to use at this step, most likely first."""
+        raise NotImplementedError
+
+
+def _by_votes(ids: np.ndarray) -> list[int]:
+    """Distinct experts, the most often chosen (over tokens) first; ties by id."""
+    experts, votes = np.unique(ids.reshape(-1), return_counts=True)
+    return [int(e) for e in experts[np.argsort(-votes, kind="stable")]]
+
+
+class PreGating(LookaheadPredictor):
+    """Run the next layers' routers on this layer's input (no fast stream)."""
+
+    def attach(self, cache: ExpertCache) -> "PreGating":
+        missing = [l for l in cache.layers if l not in cache.routers]
+        if missing:
+            raise M2R2Error(
+                f"pre-gating needs the routers of MoE layers {missing}, which this model's blocks do not expose"
+            )
+        return super().attach(cache)
+
+    def predict(self, layer: int, x: mx.array) -> list[int]:
+        return _by_votes(np.array(self.cache.routers[layer](x)))
+
+
+class ShuffledControl(PreGating):
+    """As many experts as pre-gating predicts, drawn at random with a fixed seed."""
+
+    def __init__(self, lookahead: int = 1, seed: int = 0):
+        super().__init__(lookahead)
+        self.rng = np.random.default_rng(seed)
+
+    def predict(self, layer: int, x: mx.array) -> list[int]:
+        n = len(super().predict(layer, x))
+        return [int(e) for e in self.rng.choice(self.cache.num_experts(layer), size=n, replace=False)]
+
+
+class Oracle(LookaheadPredictor):
+    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run."""
+
+    def __init__(self, trace: dict[tuple[int, int], list[int]], lookahead: int = 1):
+        super().__init__(lookahead)
+        self.trace = trace
+
+    def predict(self, layer: int, x: mx.array) -> list[int]:
+        return list(self.trace.get((self.cache.step, layer), []))
