@@ -63,7 +63,7 @@ EXPLAINED = """- whole: loaded eagerly, every expert resident; budget, eager loa
   store are page cache the kernel can drop. Expected = the dense part + the budget's share of the experts; what the
   lazy load holds above it is one layer's experts while exporting, activations and allocator slack.
 - MLX's peak is read while decoding only (generate resets it after loading)."""
-MODES = ("whole", "eager+budget", "lazy+budget")
+LOADINGS = ("whole", "eager+budget", "lazy+budget")
 LABELS = {"whole": "whole", "eager+budget": "budget, eager load", "lazy+budget": "budget, lazy load"}
 
 
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
     p.add_argument("--force", action="store_true", help="overwrite --out")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=LOADINGS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     return p
 
@@ -225,7 +225,7 @@ def _main() -> int:
         raise M2R2Error(f"{args.out} already exists; pass --force to overwrite it")
     folder = make_model(args.work / "test-moe")
     rows = []
-    for mode in MODES:
+    for mode in LOADINGS:
         t0 = time.perf_counter()
         rows.append(measure(mode, folder, args.budget, args.max_tokens, args.work / "home"))
         print(f"{LABELS[mode]}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)

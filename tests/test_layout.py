@@ -143,7 +143,10 @@ def test_the_namespace_stops_at_main():
 
 
 # each registry: the module that holds it, the class its entries are, and the name of the registry itself
-REGISTRIES = {"Mode": ("m2r2_mlx/decoding/decoders.py", "MODES")}
+REGISTRIES = {
+    "Mode": ("m2r2_mlx/decoding/decoders.py", "MODES"),
+    "PredictorEntry": ("m2r2_mlx/moe/predictors.py", "PREDICTORS"),
+}
 
 
 @pytest.mark.parametrize("entry", sorted(REGISTRIES))

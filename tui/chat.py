@@ -19,9 +19,12 @@ from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
+from m2r2_mlx.moe.predictors import PREDICTORS
 
 from .app import ChatApp
 from .session import ChatSetup, ExpertBudget, make_session
+
+SERVED_PREDICTORS = [name for name, e in PREDICTORS.items() if not e.control]  # the measurement controls stay out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-predictor",
         default="pregating",
-        choices=["pregating", "m2r2", "m2r2-fused", "none"],
-        help="with --memory-budget: who loads experts ahead of time (m2r2 needs --adapters for the model)",
+        choices=SERVED_PREDICTORS,
+        help="with --memory-budget: who loads experts ahead of time; "
+        + "; ".join(f"{n}: {PREDICTORS[n].help}" for n in SERVED_PREDICTORS)
+        + " (default: pregating)",
     )
     p.add_argument(
         "--link-gbps",
