@@ -7,6 +7,7 @@ import sys
 
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.arla import ARLA, ARLARule
+from m2r2_mlx.core.config import AdapterMetrics
 from m2r2_mlx.decoding.early_exit import early_exit_generate
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.training.exit_decisions import collect_features, roc_auc, train_exit_decisions
@@ -276,11 +277,11 @@ def test_exit_rule_follows_the_measured_auc(tiny):
     from m2r2_mlx.decoding.early_exit import confidence
 
     _, m = tiny
-    extra = m.config.extra
+    metrics = m.config.metrics
     try:
-        m.config.extra = {"exit_auc": {"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.86]}}}
+        m.config.metrics = AdapterMetrics(exit_auc={"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.86]}})
         assert isinstance(exit_rule(m), ARLARule)  # mean 0.825 > 0.82
-        m.config.extra = {"exit_auc": {"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.84]}}}
+        m.config.metrics = AdapterMetrics(exit_auc={"auc": {"confidence": [0.80, 0.84], "arla": [0.79, 0.84]}})
         assert exit_rule(m) is confidence
     finally:
-        m.config.extra = extra
+        m.config.metrics = metrics
