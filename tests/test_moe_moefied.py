@@ -1,4 +1,4 @@
-"""The MoEfied SmolLM2 (m2r2_mlx.moe.moefy) on a real slice: its first 4 layers cut into 8 experts, top-2.
+"""The MoEfied SmolLM2 (m2r2_tools.moefy) on a real slice: its first 4 layers cut into 8 experts, top-2.
 
 It loads through mlx-lm's own loader by model_type; with every expert chosen it is the dense slice;
 its experts offload to an expert store and cache, and decoding within a budget, with any predictor
@@ -17,7 +17,6 @@ from m2r2_mlx.models.moefied_llama import ModelArgs, MoefiedMLP
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe import ExpertStore, moe_blocks, offload_experts
 from m2r2_mlx.moe.fused_predictor import prediction_plan
-from m2r2_mlx.moe.moefy import balanced_kmeans, layer_pass, moefy_layer
 from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor
 
@@ -28,13 +27,14 @@ from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 
 from m2r2_bench.moe_bench import greedy
+from m2r2_tools.moefy_layers import balanced_kmeans, layer_pass, moefy_layer
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
 DOCS = sorted(str(p) for p in (Path(__file__).parents[1] / "docs").glob("*.md"))
 
 
 def _moefy(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.moe.moefy", *args], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "m2r2_tools.moefy", *args], capture_output=True, text=True, timeout=600)
     if check:
         assert r.returncode == 0, r.stderr[-2000:]
     return r

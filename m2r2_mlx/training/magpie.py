@@ -5,7 +5,7 @@
 An instruction-tuned model given its chat template only up to the opening of a user turn
 writes a user request: the kind of request its instruction tuning was made of. Those are
 closer to what people ask a chat model than requests built from templates over package
-corpora (m2r2_mlx.training.corpora), and they cost no data beyond the model itself; the model then
+corpora (m2r2_tools.corpora), and they cost no data beyond the model itself; the model then
 answers them (self-distillation) like any other prompt file.
 
 Requests that share a run of ``--overlap`` words with an evaluation question file
