@@ -4,8 +4,8 @@ same base, adapters, rows, interval(s), batch and sequence length; tokens/s afte
     python -m experiments.train_speed --data build/data-v3/data.npy --steps 20            # every gate's interval
     python -m experiments.train_speed --data build/data-v3/data.npy --steps 20 --train-gates 6   # the first only
 
-Both run their trainers' own step code (m2r2_mlx.training.train.Trainer.step under its default CPU kernels, and
-m2r2_torch.train.step_loss + backward + AdamW), each in a process of its own with the machine's threads, one after
+Both run their trainers' own step code (m2r2_mlx.training.trainer.Trainer.step under its default CPU kernels, and
+m2r2_torch.step.step_loss + backward + AdamW), each in a process of its own with the machine's threads, one after
 the other (neither framework's threads or caches linger in the other's measurement).
 """
 
@@ -15,15 +15,16 @@ import argparse
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.training.cli import parse_layers
+from m2r2_mlx.training.config import DistillLoss, train_gate_indices
 from m2r2_mlx.training.cpu_kernels import fast_kernels
-from m2r2_mlx.training.train import Trainer, train_gate_indices
+from m2r2_mlx.training.trainer import Trainer
 
 import mlx.core as mx
 import numpy as np
@@ -31,9 +32,9 @@ import torch
 from tqdm.auto import tqdm
 
 from m2r2_torch.base import load_base
+from m2r2_torch.checkpoint import freeze_untrained
 from m2r2_torch.fast_stream import M2R2Torch
-from m2r2_torch.train import batch_rows, freeze_untrained, lr_at, step_loss
-from m2r2_torch.train import train_gate_indices as torch_gate_indices
+from m2r2_torch.step import batch_rows, lr_at, step_loss
 
 
 def time_steps(step, n_warmup: int, n_steps: int, desc: str) -> float:
@@ -51,7 +52,7 @@ def mlx_seconds(args, rows, gates) -> float:
     lm.model.freeze()
     m2r2 = new_m2r2(lm, gates=gates, rank=args.rank)
     total = args.warmup + args.steps
-    trainer = Trainer(m2r2, lr=args.lr, steps=total, gate_indices=train_gate_indices(m2r2, args.train_gates))
+    trainer = Trainer(m2r2, lr=args.lr, steps=total, gate_indices=train_gate_indices(m2r2.config, args.train_gates))
 
     def step(i):
         with fast_kernels(True):  # m2r2-train's default on the CPU
@@ -63,17 +64,16 @@ def mlx_seconds(args, rows, gates) -> float:
 def torch_seconds(args, rows, gates) -> float:
     lm = load_base(args.model, "cpu", tokenizer=False)
     model = M2R2Torch(lm.model, lm.m2r2_config(gates, adapter_rank=args.rank))
-    gate_indices = torch_gate_indices(model.config, args.train_gates)
+    gate_indices = train_gate_indices(model.config, args.train_gates)
     freeze_untrained(model, gate_indices)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    loss_args = SimpleNamespace(distill_temp=1.0, distill_top_k=16, align=1.0)
     total = args.warmup + args.steps
 
     def step(i):
         ids = torch.from_numpy(rows[batch_rows(0, i, len(rows), args.batch_size)].astype(np.int64))
         for group in opt.param_groups:
             group["lr"] = lr_at(i, args.lr, total)
-        loss, _ = step_loss(model, model, ids, None, loss_args, gate_indices, 1)
+        loss, _ = step_loss(model, model, ids, None, DistillLoss(), gate_indices, 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -100,7 +100,7 @@ def _main() -> int:
     ap.add_argument("--data", required=True, help="token rows (an m2r2-train data.npy)")
     ap.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
     ap.add_argument("--gates", default="6,12,18,24")
-    ap.add_argument("--train-gates", help="train only these gates' intervals (default: all)")
+    ap.add_argument("--train-gates", type=parse_layers, help="train only these gates' intervals (default: all)")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256, help="the rows' first N tokens")
@@ -121,7 +121,8 @@ def _main() -> int:
     print(blas_info().describe(), f"; torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     tokens = args.batch_size * args.seq_len
     mlx_s, torch_s = (side_seconds(side) for side in ("mlx", "torch"))
-    what = f"gates {args.gates}, training {args.train_gates or 'all'}; {args.batch_size} x {args.seq_len} tokens"
+    training = ",".join(map(str, args.train_gates)) if args.train_gates else "all"
+    what = f"gates {args.gates}, training {training}; {args.batch_size} x {args.seq_len} tokens"
     print(f"| trainer ({what}) | s/step | tokens/s |\n|---|---:|---:|")
     print(f"| m2r2-train (MLX) | {mlx_s:.2f} | {tokens / mlx_s:.0f} |")
     print(f"| m2r2-train-torch (PyTorch) | {torch_s:.2f} | {tokens / torch_s:.0f} |")

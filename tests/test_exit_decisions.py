@@ -167,7 +167,7 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     assert (
         cfg["arla"]
         and cfg["arla_exit_stats"]
-        and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
+        and set(cfg["metrics"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
     )
     assert "exit ROC AUC" in r.stderr and (tmp_path / "b" / "draft_vocab.json").is_file()
     vocab = json.loads((tmp_path / "b" / "draft_vocab.json").read_text())["tokens"]
@@ -263,7 +263,7 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "w" / "m2r2_config.json").read_text())
-    assert cfg["adapter_rank"] == [8, 4] and cfg["extra"]["recipe"]["train_gates"] == "10"
+    assert cfg["adapter_rank"] == [8, 4] and cfg["extra"]["recipe"]["train_gates"] == [10]
     a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
     w = mx.load(str(tmp_path / "w" / "adapters.safetensors"))
     assert w["adapters.0.down.weight"].shape == (8, 576) and w["adapters.10.down.weight"].shape == (4, 576)
