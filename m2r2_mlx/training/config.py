@@ -14,7 +14,7 @@ from ..errors import M2R2Error
 
 STAGES = ("data", "adapters", "arla", "both")  # what a run builds; m2r2-train-torch builds the first two
 LOSS_ON = ("all", "answers")
-# what a run was asked to do, not how it was run: left out of the recipe the adapters record
+# where a run writes, whether it starts over and where it uploads: not part of the recipe the adapters record
 NOT_RECIPE = ("output", "resume", "force", "upload_repo")
 
 
@@ -30,6 +30,8 @@ class DistillLoss:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """A training run's settings; each field is the flag of the same name (seq_len: --seq-len)."""
+
     output: str  # the adapters folder to write (with the data cache and checkpoints beside)
     model: str | None = None  # base model: alias, repo id, folder or .gguf (None: the embedded smollm2)
     # data: token rows of an earlier run, or plain text files and prompts whose answers the base writes first
