@@ -114,7 +114,7 @@ def sample_requests(
     tok = lm.tokenizer
     prefix = pre_query_tokens(tok)
     if generate is None:
-        generate = mlx_sampling(lm, config.temperature, config.top_p, config.seed, config.batch_size)
+        generate = mlx_sampling(lm, config)
     kept, seen, dropped = [], set(), {"unfinished": 0, "length": 0, "duplicate": 0, "evaluation overlap": 0}
     while len(kept) < n:
         if sum(dropped.values()) + len(kept) >= 20 * n:
@@ -139,15 +139,17 @@ def sample_requests(
     return kept, dropped
 
 
-def mlx_sampling(lm, temperature: float, top_p: float, seed: int, batch_size: int):
+def mlx_sampling(lm, config: MagpieConfig):
     """Sampling with mlx-lm for sample_requests, seeded."""
     # mlx here, not at the top: the PyTorch trainer imports this module's filters where mlx is not installed
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    sampler = make_sampler(temperature, top_p)
-    mx.random.seed(seed)
-    return lambda prompts, max_tokens: generate_batch(lm, prompts, max_tokens, sampler=sampler, batch_size=batch_size)
+    sampler = make_sampler(config.temperature, config.top_p)
+    mx.random.seed(config.seed)
+    return lambda prompts, max_tokens: generate_batch(
+        lm, prompts, max_tokens, sampler=sampler, batch_size=config.batch_size
+    )
 
 
 def add_magpie_arguments(p: argparse.ArgumentParser) -> None:
