@@ -75,9 +75,17 @@ class Acceptance:
             c[1] += 1
 
     def tick(self) -> None:
+        self._scale(self.decay)
+
+    def new_text(self, keep: float = 0.25) -> None:
+        """A new answer is new text: what earlier answers taught counts for ``keep`` of its weight, a prior
+        rather than a verdict, so a drafter that failed on one answer is tried early on the next."""
+        self._scale(keep)
+
+    def _scale(self, factor: float) -> None:
         for c in self.counts.values():
-            c[0] *= self.decay
-            c[1] *= self.decay
+            c[0] *= factor
+            c[1] *= factor
 
 
 class Planner:

@@ -96,6 +96,7 @@ class Speculator:
         cache, logits, events = start_decoding(
             self.model, self.tokenizer, list(prompt), cache, generation, self.context_length, self.keeps_states
         )
+        self.acceptance.new_text()
         y = next_token(logits, s, cache)
         ev = events.event(y)
         yield ev
@@ -131,8 +132,8 @@ class Speculator:
                 ev = events.event(y, plan=plan)
                 yield ev
         finally:
-            if self.calibration is not None and cost:
-                self.calibration.refine(self.costs.profile(), force=bool(ev.finish_reason))
+            if self.calibration is not None and cost:  # also after a cancelled answer: what it measured holds
+                self.calibration.refine(self.costs.profile())
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def _account(self, n: int, seconds: float) -> None:
