@@ -117,6 +117,7 @@ class StepCosts:
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> positions -> (step, plain steps)
         self.drafts: deque = deque(maxlen=window)  # (step, plain steps)
         self.stale = False  # a verification was priced against a plain step the machine no longer takes
+        self._memo: dict = {}  # estimates, until the next measurement or step (the planner asks many times a step)
 
     @property
     def bucket(self) -> int:
@@ -124,6 +125,13 @@ class StepCosts:
 
     def tick(self) -> None:
         self.step += 1
+        self._memo.clear()
+
+    def _memoized(self, key, compute):
+        key = (self.bucket, *key)
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def _fresh(self, samples) -> list[float]:
         return [v for s, v in samples if self.step - s <= self.max_age]
@@ -133,6 +141,7 @@ class StepCosts:
         """A plain step: pipelined, as plain decoding runs (or a lone verification, where stretches are off)."""
         self.plains.setdefault(self.bucket, deque(maxlen=self.window)).append((self.step, seconds))
         self.stale = False
+        self._memo.clear()
 
     def observe_verify(self, n: int, seconds: float) -> None:
         """A whole verification step of ``n`` positions, as plain steps of this moment (clipped). A ratio out of
@@ -150,9 +159,11 @@ class StepCosts:
         ratio = min(max(ratio, 1.0), top)
         row = self.samples.setdefault(self.bucket, {})
         row.setdefault(n, deque(maxlen=self.window)).append((self.step, ratio))
+        self._memo.clear()
 
     def observe_draft(self, seconds_per_step: float) -> None:
         self.drafts.append((self.step, min(seconds_per_step / self.plain_seconds(), self.clip)))
+        self._memo.clear()
 
     # ---- estimates -------------------------------------------------------------------------------------
     @property
@@ -164,6 +175,9 @@ class StepCosts:
         return self.stale or self.step - latest > self.max_age // 2
 
     def plain_seconds(self) -> float:
+        return self._memoized(("plain",), self._plain_seconds)
+
+    def _plain_seconds(self) -> float:
         """The plain step now: its fresh measurements in this bucket, else the nearest bucket's (fresh before
         stale), else the profile's. Its absolute value only scales the others: decisions compare ratios."""
         here = self.bucket
@@ -183,8 +197,9 @@ class StepCosts:
 
     def ratio(self, n: int) -> float:
         """A verification of ``n`` positions in plain steps (1 for the plain step itself)."""
-        if n <= 1:
-            return 1.0
+        return 1.0 if n <= 1 else self._memoized(("ratio", n), lambda: self._ratio(n))
+
+    def _ratio(self, n: int) -> float:
         measured = self._measured()
         if n in measured:
             return measured[n]
@@ -213,6 +228,10 @@ class StepCosts:
         else:
             ratio = self.draft_fraction
         return self.plain_seconds() * ratio
+
+    def calibrate(self, prior: CostProfile) -> None:
+        self.prior = prior
+        self._memo.clear()
 
     @property
     def calibrated(self) -> bool:

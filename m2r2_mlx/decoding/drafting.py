@@ -29,7 +29,7 @@ class SpecSettings:
     max_draft: int = 8  # most tokens drafted per step
     width: int = 1  # candidates at the first draft position
     plain_stretches: bool = True  # False: one synchronous plain step at a time where no draft pays (an ablation)
-    explore: float = 0.02  # the share of decoding time probes may spend (0: none)
+    explore: float = 0.01  # the share of decoding time probes may spend (0: none)
 
     def __post_init__(self):
         if self.policy not in POLICIES:

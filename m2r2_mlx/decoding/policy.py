@@ -156,7 +156,7 @@ class Exploration:
     (and the costs of sizes not verified lately). Every step earns ``share`` of its seconds; a probe spends what it
     cost beyond a plain step. The budget holds at most ``cap`` plain steps, so a long run does not bank probes."""
 
-    share: float = 0.02
+    share: float = 0.01
     cap: float = 4.0  # plain steps
     credit: float = 0.0  # seconds
     since: dict[str, int] = field(default_factory=dict)  # drafter kind -> steps since it was last verified

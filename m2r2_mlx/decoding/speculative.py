@@ -163,7 +163,7 @@ class Speculator:
     def _calibrate(self, cache: PromptCache, y: int) -> None:
         """Without a machine profile: time forwards of each size now, on this answer's cache (left as it was),
         so that the first steps already weigh drafting against what it costs here."""
-        self.costs.prior = measure_profile(cache, y)
+        self.costs.calibrate(measure_profile(cache, y))
 
     # ---- plain stretches ---------------------------------------------------------------------------------
     def _plain_stretch(self, cache: PromptCache, y: int, events, s: Sampling) -> Iterator[TokenEvent]:
