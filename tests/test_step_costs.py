@@ -128,3 +128,20 @@ def test_the_plain_step_is_timed_again_when_it_was_not_lately():
     costs.observe_plain(0.015)
     costs.observe_verify(4, 1.5)  # 80 plain steps: slowed down, or an outlier
     assert costs.plain_due
+
+
+def test_a_chain_that_pays_as_a_whole_is_verified():
+    """A first proposal that alone would not pay for the step (30% for 0.32 of a plain step), followed by likely
+    ones (lookup copying a span, 90% each once the first is right): the chain pays, and the planner keeps it."""
+    costs = StepCosts(CostProfile({0: 0.05}, {0: {2: 1.32, 3: 1.38, 4: 1.44}}))
+    acceptance = Acceptance({"lookup": 0.5})
+    for i in range(1000):
+        acceptance.observe("lookup", 1, None, i % 10 < 3)
+        for depth in (2, 3):
+            acceptance.observe("lookup", depth, None, i % 10 < 9)
+    tree = DraftTree.root(1)
+    tree.add_chain(0, [2, 3, 4], "lookup")
+    assert Planner(costs, acceptance, max_nodes=8).select(tree)[0] == [0, 1, 2, 3]
+    single = DraftTree.root(1)
+    single.add_chain(0, [2], "lookup")
+    assert Planner(costs, acceptance, max_nodes=8).select(single)[0] == [0]  # alone it does not pay
