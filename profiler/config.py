@@ -45,7 +45,7 @@ def check_metal_capture(path: Path | None) -> None:
         return
     if sys.platform != "darwin" or not mx.metal.is_available():
         raise M2R2Error(
-            f"--metal-capture needs a Mac (Metal); this machine runs MLX on its {mx.default_device()}: "
+            f"--metal-capture needs a Mac (Metal); this machine runs MLX on its {mx.default_device().type.name}: "
             "open the --trace file in ui.perfetto.dev instead"
         )
     if os.environ.get("MTL_CAPTURE_ENABLED") != "1":

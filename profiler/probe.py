@@ -64,5 +64,10 @@ def matmul_gflops(dtype=mx.float32, n: int = MATMUL_N, passes: int = 3) -> float
     return 2 * n**3 / seconds / 1e9
 
 
+def device_name() -> str:
+    """ "gpu" (Metal) or "cpu" (MLX's CPU backend)."""
+    return mx.default_device().type.name
+
+
 def probe_machine(dtype=mx.float32) -> Machine:
-    return Machine(str(mx.default_device()), stream_bandwidth(), matmul_gflops(dtype), str(dtype).split(".")[-1])
+    return Machine(device_name(), stream_bandwidth(), matmul_gflops(dtype), str(dtype).split(".")[-1])

@@ -96,7 +96,7 @@ def markdown(s: dict) -> str:
     lines = [
         f"# m2r2-profile: {s['model']}, {s['label']}",
         "",
-        f"MLX on {m['device']}; a prompt of {s['prompt_tokens']} tokens, {s['tokens']} tokens decoded in "
+        f"MLX on the {m['device'].upper()}; a prompt of {s['prompt_tokens']} tokens, {s['tokens']} tokens decoded in "
         f"{s['decode_steps']} decode steps ({s['tokens_per_step']:.2f} tokens per step).",
         "",
         "## What measuring costs",
