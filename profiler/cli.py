@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens to decode (default {DEFAULT_TOKENS})"
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="decode each way this many times, alternating, and report the fastest of each: a shared machine's "
+        "noise (default 1)",
+    )
+    p.add_argument(
         "--memory-budget",
         default=None,
         metavar="B",

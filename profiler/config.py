@@ -37,6 +37,7 @@ class ProfileConfig:
     trace: Path | None = None  # the Chrome trace-event JSON
     experts: ExpertOptions | None = None
     metal_capture: Path | None = None
+    repeats: int = 1  # decodes each way, alternating; the fastest of each is reported
 
 
 def check_metal_capture(path: Path | None) -> None:
@@ -71,6 +72,9 @@ def profile_config(values: dict) -> ProfileConfig:
     tokens = values["tokens"]
     if tokens < 1:
         raise M2R2Error(f"--tokens must be at least 1 (got {tokens}): the profile needs a step to measure")
+    repeats = values.get("repeats", 1)
+    if repeats < 1:
+        raise M2R2Error(f"--repeats must be at least 1 (got {repeats})")
     options = DecodingOptions.from_values({**values, "max_tokens": tokens})
     if options.decode.compile:
         raise M2R2Error(
@@ -88,5 +92,5 @@ def profile_config(values: dict) -> ProfileConfig:
     model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
     out = Path(values["out"]) if values.get("out") else None
     return ProfileConfig(
-        model, None if folder is None else str(folder), options, values["prompt"], out, trace, experts, capture
+        model, None if folder is None else str(folder), options, values["prompt"], out, trace, experts, capture, repeats
     )

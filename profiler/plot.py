@@ -38,11 +38,11 @@ def category(row: dict) -> str:
 
 
 def summaries(folder: Path) -> list[dict]:
-    """The folder's profiles: by model, then in the mode registry's order (plain first)."""
+    """The folder's profiles: dense models before budgeted ones, by model, in the mode registry's order."""
     found = [json.loads(p.read_text()) for p in folder.glob("profile-*.json")]
     order = list(MODES)
     rank = lambda s: order.index(s["label"].split()[0]) if s["label"].split()[0] in order else len(order)
-    return sorted(found, key=lambda s: (s["model"], rank(s), s["label"]))
+    return sorted(found, key=lambda s: (bool(s["experts"]), s["model"], rank(s), s["label"]))
 
 
 def plot(folder: Path, path: Path) -> Path:
