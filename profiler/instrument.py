@@ -57,7 +57,7 @@ class _Attention:
     def __init__(self, fp: Footprint, hidden: int):
         self.fp, self.hidden, self.per_position = fp, hidden, 0
 
-    def __call__(self, args, kwargs) -> tuple[int, int]:
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[int, int]:
         x = args[0]
         cache = args[2] if len(args) > 2 else kwargs.get("cache")
         context = int(getattr(cache, "offset", 0) or 0) if cache is not None else 0
@@ -166,7 +166,7 @@ def _cache(p: Patches, rec: Recorder, cache) -> None:
     p.attribute(cache, "commit", timed(rec, cache.commit, "commit", "commit"))
 
 
-def _verified(args, kwargs, out) -> dict:
+def _verified(args: tuple, kwargs: dict, out) -> dict:
     return {"positions": len(args[0])}
 
 

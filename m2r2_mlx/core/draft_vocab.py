@@ -22,6 +22,7 @@ from ..atomic import atomic_write_text
 from ..errors import M2R2Error, run_cli
 
 FILE = "draft_vocab.json"
+PROG = "python -m m2r2_mlx.core.draft_vocab"
 
 
 def rank_tokens(rows: np.ndarray, vocab_size: int) -> tuple[list[int], list[float]]:
@@ -48,14 +49,16 @@ def load_draft_vocab(folder: str | Path, size: int, otherwise: str = "drop --dra
     return tokens[:size]
 
 
-def _main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m m2r2_mlx.core.draft_vocab", description="Write ADAPTERS/draft_vocab.json."
-    )
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Write ADAPTERS/draft_vocab.json.")
     p.add_argument("adapters", help="adapters folder to write draft_vocab.json into")
     p.add_argument("--data", required=True, help="token rows (.npy, as m2r2-train caches them in OUT/data.npy)")
     p.add_argument("--vocab-size", type=int, default=None, help="default: from the adapters' base model config")
-    args = p.parse_args()
+    return p
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
     if not Path(args.data).is_file():
         raise M2R2Error(f"{args.data} not found; point --data at a data.npy written by m2r2-train")
     rows = np.load(args.data)
@@ -65,5 +68,9 @@ def _main() -> int:
     return 0
 
 
+def main() -> None:
+    sys.exit(run_cli(PROG, _main))
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli("draft_vocab", _main))
+    main()
