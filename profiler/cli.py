@@ -26,7 +26,7 @@ from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help
 from m2r2_mlx.moe.predictors import PREDICTORS
 
 from .config import DEFAULT_PROMPT, DEFAULT_TOKENS, profile_config
-from .plot import plot
+from .plot import NO_MATPLOTLIB, plot
 from .report import markdown, summary
 from .session import run_profile
 from .trace import write_trace
@@ -111,9 +111,10 @@ def _main() -> int:
     trace = write_trace(config.trace or out / f"trace-{name}.json", profile, facts)
     png = plot(out, out / "profile.png")
     print(report)
-    print(
-        f"wrote {out / f'profile-{name}.md'}, {png} and the trace {trace} (open it in ui.perfetto.dev)", file=sys.stderr
-    )
+    if png is None:
+        print(NO_MATPLOTLIB, file=sys.stderr)
+    wrote = f"{out / f'profile-{name}.md'}" + (f", {png}" if png else "")
+    print(f"wrote {wrote} and the trace {trace} (open it in ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 

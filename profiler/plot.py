@@ -1,6 +1,7 @@
 """A stacked bar per profiled mode: where a decode step's time goes, in ms per token so modes that emit several
 tokens a step compare with plain decoding. Drawn from every summary in the output folder, so profiling each mode
-into one folder builds the comparison. matplotlib is imported only here (the bench/test extras install it)."""
+into one folder builds the comparison. matplotlib is imported only here (the profile, bench and test extras install
+it); without it the profile is written all the same, less the PNG."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 from m2r2_mlx.atomic import atomic_save_figure
 from m2r2_mlx.decoding.decoders import MODES
-from m2r2_mlx.errors import M2R2Error
 
 # component kind -> the plot's category (a few colours read better than every row)
 CATEGORIES = {
@@ -45,14 +45,18 @@ def summaries(folder: Path) -> list[dict]:
     return sorted(found, key=lambda s: (bool(s["experts"]), s["model"], rank(s), s["label"]))
 
 
-def plot(folder: Path, path: Path) -> Path:
+NO_MATPLOTLIB = "no profile.png: the plot needs matplotlib (pip install 'm2r2-mlx[profile]' or matplotlib)"
+
+
+def plot(folder: Path, path: Path) -> Path | None:
+    """The PNG at ``path``; None where matplotlib is not installed (the report and trace need none of it)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise M2R2Error("the plot needs matplotlib: pip install matplotlib (or the project's [bench] extra)") from None
+        return None
     found = summaries(folder)
     models = {s["model"] for s in found}
     names = [s["label"] if len(models) == 1 else f"{s['model']}\n{s['label']}" for s in found]

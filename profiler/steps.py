@@ -2,7 +2,10 @@
 
 A step is one resumption of the decoder's generator that ran the model: a plain token, a speculative
 draft-and-verify (its accepted drafts are yielded right after, with no work of their own, and join it), or one
-token's walk through early exit's gates. The first resumption is the prefill (and the first token).
+token's walk through early exit's gates. The first resumption is the prefill (and the first token). A resumption
+that ran no forward joins the step before: the speculative engine's plain stretch asks, before it emits the token
+that step computed, whether drafting would pay now (a prompt lookup), and early exit fills deferred layers after
+the last token.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from .spans import Recorder
+from .spans import Recorder, Span
+
+MODEL = {"forward", "verify", "embed", "attention", "mlp"}  # a resumption with one of these ran the model
 
 
 @dataclass
@@ -67,41 +72,56 @@ def decode_measured(decoder, prompt: Sequence[int], generation, cache, recorder:
                 except StopIteration:
                     ev = None
                 recorder.close(index)
-                ran = len(recorder.spans) > index + 1
-                if steps and not ran:  # yielded without work (an accepted draft): part of the step before
-                    recorder.spans[steps[-1].span].end = recorder.spans.pop(index).end
+                if steps and (ev is None or not any(s.kind in MODEL for s in recorder.spans[index + 1 :])):
+                    _join(recorder, steps[-1].span, index, last=ev is None)  # no forward: the step before's
                     if ev is not None:
                         steps[-1].events.append(ev)
-                elif ev is None:  # work after the last token (early exit's deferred fill): the last step's
-                    if steps:
-                        _absorb(recorder, steps[-1].span, index)
-                else:
+                elif ev is not None:
                     steps.append(Step(index, context, [ev]))
                 if ev is None:
                     break
                 bar.update()
     finally:
         recorder.on = False
+    children = recorder.children()
     for step in steps:
-        recorder.spans[step.span].args.update(step_args(step))
+        found = [recorder.spans[i] for i in recorder.subtree(step.span, children)]
+        recorder.spans[step.span].args.update(step_args(step, found))
     return _run([e for s in steps for e in s.events]), steps
 
 
-def _absorb(recorder: Recorder, into: int, index: int) -> None:
-    """Make the last span (and its subtree, which follows it) part of span ``into``."""
-    recorder.spans[into].end = recorder.spans[index].end
-    recorder.spans[index].parent = into
-    recorder.spans[index].kind, recorder.spans[index].name = "tail", "after the last token"
+def _join(recorder: Recorder, into: int, index: int, last: bool) -> None:
+    """Make the last span (and its subtree, which follows it) part of span ``into``: without work (an accepted
+    draft yielded), its time; else a phase of that step, the work after the last token (``last``: early exit's
+    deferred fills) or a resumption that ran no forward (the plain stretch's check whether to draft)."""
+    if len(recorder.spans) == index + 1:
+        recorder.spans[into].end = recorder.spans.pop(index).end
+        return
+    span = recorder.spans[index]
+    recorder.spans[into].end = span.end
+    span.parent = into
+    span.kind, span.name = ("tail", "after the last token") if last else ("resume", "resumed without a forward")
 
 
-def step_args(step: Step) -> dict:
-    """The step's plan for the trace: tokens emitted, accepted drafts, what the engine chose, exit depths."""
+def step_args(step: Step, spans: Sequence[Span] = ()) -> dict:
+    """The step's plan for the trace: tokens emitted, accepted drafts and their drafters, what the engine chose,
+    the positions the full model verified and the fast stream's draft steps (``spans``: the step's subtree), and
+    early exit's exit depths."""
     events = step.events
     args = {"context": step.context, "tokens": len(events), "accepted": sum(e.drafted for e in events)}
     plans = [e.plan for e in events if e.plan]
     if plans:
         args["plan"] = plans[0]
-    exits = sorted({e.exit_layer for e in events})
-    if events and exits != [events[0].num_layers]:
+    drafters = sorted({e.source for e in events if e.drafted and e.source})
+    if drafters:
+        args["drafters"] = drafters
+    verified = [s.args["positions"] for s in spans if s.kind == "verify" and "positions" in s.args]
+    if verified:
+        args["nodes_verified"] = sum(verified)
+    drafted = sum(s.args.get("draft_steps", 0) for s in spans if s.kind == "draft")
+    if drafted:
+        args["draft_steps"] = drafted
+    exits = sorted({e.exit_layer for e in events if not e.drafted})
+    if events and exits and exits != [events[0].num_layers]:
         args["exit_layers"] = [e.exit_layer for e in events]
     return args

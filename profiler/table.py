@@ -25,6 +25,7 @@ PHASES = {  # kind -> label (the phase's own time: its Python outside the timed 
     "verify": "verification",
     "commit": "commit (keep the accepted path)",
     "tail": "after the last token (deferred fills)",
+    "resume": "resumed without a forward (whether to draft)",
     "step": "step",
 }
 COMPONENTS = {  # kind -> label, in table order

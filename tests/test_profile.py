@@ -124,6 +124,13 @@ def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
     assert "forward" not in vars(cache)
 
 
+def test_without_matplotlib_the_png_is_skipped(tmp_path, monkeypatch):
+    from m2r2_profiler.plot import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a clean install without the [profile] extra
+    assert plot(tmp_path, tmp_path / "profile.png") is None and not (tmp_path / "profile.png").exists()
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -150,10 +157,16 @@ def test_components_cover_the_measured_step_on_the_real_model(mode):
     profile = run_profile(config(None, mode, tokens=32))
     assert profile.same_tokens
     assert 0.9 <= profile.coverage <= 1.0 + 1e-9, profile.coverage  # the rows add up to the steps exactly
+    # and the steps to the decode's time on the decoder's own clock (its events' elapsed time)
+    assert abs(profile.steps_s / profile.measured.decode_s - 1) <= 0.1, (profile.steps_s, profile.measured.decode_s)
     assert abs(sum(r.seconds for r in profile.rows) - profile.steps_s) < 1e-6
     shares = check_trace(profile)
     assert min(shares) >= 0.9, sorted(shares)[:3]
     assert profile.roofline.bytes_per_token > 100e6 and 0 < profile.roofline.share < 1.0
+    plans = [profile.recorder.spans[s.span].args for s in profile.decode_steps]
+    assert all("plan" in a for a in plans) if mode == "speculative" else not any("plan" in a for a in plans)
+    if mode == "speculative":  # the positions the full model verified, wherever the engine drafted
+        assert any(a.get("nodes_verified", 0) > 1 for a in plans)
     assert profile.unmeasured.tokens_per_s > 0 and profile.measured.tokens_per_s > 0
 
 
