@@ -21,7 +21,7 @@ from m2r2_mlx.decoding.decoders import MODES, resolve_for_mode
 from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
-from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
+from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help, load_model, resolve_model_path
 
 from .handler import Server
 from .worker import ModelWorker
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
+        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: "
         f"the base the --adapters name, else {DEFAULT_MODEL}, embedded)",
     )
     p.add_argument(

@@ -11,8 +11,11 @@ import pytest
 
 
 def test_aliases_name_the_agreed_models():
-    assert ALIASES["phi3"] == "microsoft/Phi-3-mini-4k-instruct"
-    assert ALIASES["olmoe"] == "allenai/OLMoE-1B-7B-0924-Instruct"
+    """Mac users' aliases are the 4-bit MLX conversions; the full-precision checkpoints keep explicit names."""
+    assert ALIASES["phi3"] == "mlx-community/Phi-3-mini-4k-instruct-4bit"
+    assert ALIASES["phi3-bf16"] == "microsoft/Phi-3-mini-4k-instruct"
+    assert ALIASES["olmoe"] == "mlx-community/OLMoE-1B-7B-0924-Instruct-4bit"
+    assert ALIASES["olmoe-bf16"] == "allenai/OLMoE-1B-7B-0924-Instruct"
     assert ALIASES["smollm2"].startswith("embedded:")
 
 
@@ -66,7 +69,8 @@ def test_hub_alias_offline_is_one_line(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr
-    assert "'phi3'" in lines[0] and "microsoft/Phi-3-mini-4k-instruct" in lines[0] and str(tmp_path / "hf") in lines[0]
+    assert "'phi3'" in lines[0] and "mlx-community/Phi-3-mini-4k-instruct-4bit" in lines[0]
+    assert str(tmp_path / "hf") in lines[0]
 
 
 @pytest.mark.parametrize(
