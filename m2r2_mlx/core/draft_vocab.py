@@ -20,6 +20,8 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..errors import M2R2Error, run_cli
+from .config import CONFIG_FILE
+from .integrity import record_hashes
 
 FILE = "draft_vocab.json"
 
@@ -36,7 +38,10 @@ def rank_tokens(rows: np.ndarray, vocab_size: int) -> tuple[list[int], list[floa
 def save_draft_vocab(folder: str | Path, tokens: Sequence[int], cover: Sequence[float], source: str) -> Path:
     marks = {n: round(cover[min(n, len(cover)) - 1], 4) for n in (1024, 2048, 4096, 8192, 16384)}
     blob = {"source": source, "coverage": marks, "tokens": list(tokens)}
-    return atomic_write_text(Path(folder) / FILE, json.dumps(blob))
+    path = atomic_write_text(Path(folder) / FILE, json.dumps(blob))
+    if (Path(folder) / CONFIG_FILE).is_file():  # an adapters folder already: its record gains this file
+        record_hashes(folder)
+    return path
 
 
 def load_draft_vocab(folder: str | Path, size: int, otherwise: str = "drop --draft-vocab") -> list[int]:
@@ -48,14 +53,18 @@ def load_draft_vocab(folder: str | Path, size: int, otherwise: str = "drop --dra
     return tokens[:size]
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m m2r2_mlx.core.draft_vocab", description="Write ADAPTERS/draft_vocab.json."
     )
     p.add_argument("adapters", help="adapters folder to write draft_vocab.json into")
     p.add_argument("--data", required=True, help="token rows (.npy, as m2r2-train caches them in OUT/data.npy)")
     p.add_argument("--vocab-size", type=int, default=None, help="default: from the adapters' base model config")
-    args = p.parse_args()
+    return p
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
     if not Path(args.data).is_file():
         raise M2R2Error(f"{args.data} not found; point --data at a data.npy written by m2r2-train")
     rows = np.load(args.data)
@@ -65,5 +74,9 @@ def _main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main() -> None:
     sys.exit(run_cli("draft_vocab", _main))
+
+
+if __name__ == "__main__":
+    main()

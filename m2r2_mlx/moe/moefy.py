@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_folder, atomic_save_npy, atomic_write_text
 from ..core.config import M2R2Config
+from ..core.integrity import record_hashes
 from ..errors import M2R2Error, run_cli
 from ..models.identity import config_hash
 from ..models.moefied_llama import MODEL_TYPE
@@ -355,6 +356,7 @@ def rekey_adapters(src: Path, dest: Path, model_folder: Path, model_cfg: dict) -
             if f.is_file() and f.name != "m2r2_config.json":
                 shutil.copy(f, tmp / f.name)
         cfg.save(tmp)
+        record_hashes(tmp)
 
 
 def build_parser() -> argparse.ArgumentParser:
