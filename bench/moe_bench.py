@@ -1,6 +1,6 @@
 """MoE decoding with a memory-budgeted expert cache: on-demand LRU vs pre-gating vs M2R2 ahead-of-time loading.
 
-    python -m m2r2_mlx.moe.moefy -o build/smollm2-moe --adapters      # once: the MoEfied SmolLM2 (~5 min)
+    python -m m2r2_tools.moefy -o build/smollm2-moe --adapters      # once: the MoEfied SmolLM2 (~5 min)
     m2r2-bench --moe --profile macbook --regime-map 0.25,0.5,1,2,4,8
 
 For each expert budget (a share of all experts held in memory) and each method, greedy
@@ -46,7 +46,7 @@ from .moe_bench_report import write_report
 PREDICTED = tuple(name for name, e in PREDICTORS.items() if name != "none" and not e.needs_trace)
 METHODS = ("resident", "lru", *PREDICTED)
 LABELS = {"resident": "all resident", "lru": "on-demand LRU", **{name: PREDICTORS[name].label for name in PREDICTED}}
-DEFAULT_MODEL = Path("build/smollm2-moe")  # python -m m2r2_mlx.moe.moefy -o build/smollm2-moe --adapters
+DEFAULT_MODEL = Path("build/smollm2-moe")  # python -m m2r2_tools.moefy -o build/smollm2-moe --adapters
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class MoEBenchConfig:
             )
         if not self.prompts.is_file():
             raise M2R2Error(
-                f"{self.prompts} not found; build the model with python -m m2r2_mlx.moe.moefy -o {Path(self.model)} "
+                f"{self.prompts} not found; build the model with python -m m2r2_tools.moefy -o {Path(self.model)} "
                 "--adapters (it writes heldout.npy), or pass --prompts"
             )
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m2r2_mlx.core.adapters import config_for_base, save_adapters
-from m2r2_mlx.core.config import CONFIG_FILE, M2R2Config, even_gates
+from m2r2_mlx.core.config import CONFIG_FILE, AdapterMetrics, M2R2Config, even_gates
 from m2r2_mlx.core.fast_stream import M2R2Model
 from m2r2_mlx.errors import M2R2Error
 
@@ -89,8 +89,10 @@ def plan_conversion(ckpt: Checkpoint, lm, gates: list[int] | None = None, every:
         layout = OWN_LAYOUT
         fields = {k: getattr(beside, k) for k in _FORM_FIELDS} if beside else _infer_own_form(ckpt, gates)
         targets = {n: n for n in names}
+    # a config beside the checkpoint carries what its trainer measured and recorded
+    metrics = beside.metrics if beside else AdapterMetrics()
     extra = {**(beside.extra if beside else {}), "converted_from": str(ckpt.path), "source_layout": layout}
-    m2r2 = M2R2Model(lm.model, config_for_base(lm, gates, extra=extra, **fields))
+    m2r2 = M2R2Model(lm.model, config_for_base(lm, gates, metrics=metrics, extra=extra, **fields))
     conversion = Conversion(ckpt, layout, m2r2, targets)
     _validate(conversion)
     return conversion

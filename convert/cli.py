@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.core.adapters import refuse_existing
@@ -99,25 +100,39 @@ def _gates(text: str | None) -> list[int] | None:
         raise M2R2Error(f"--gates must be layer numbers separated by commas, e.g. 6,12,18,24 (got {text!r})") from None
 
 
-def convert_checkpoint(args: argparse.Namespace) -> None:
-    if not args.output and not args.dry_run:
+@dataclass(frozen=True)
+class CheckpointJob:
+    """What ``m2r2-convert checkpoint`` is asked to do."""
+
+    checkpoint: str  # a checkpoint file, shard index or folder
+    base: str  # the base model the adapters were trained for
+    output: str | None = None  # the adapters folder to write (None: only with dry_run)
+    gates: list[int] | None = None  # None: from m2r2_config.json beside the checkpoint, or every `every` layers
+    every: int | None = None
+    dtype: str = "float32"  # one of DTYPES
+    dry_run: bool = False  # print the name mapping, write nothing
+    force: bool = False  # replace an existing output folder
+
+
+def convert_checkpoint(job: CheckpointJob) -> None:
+    if not job.output and not job.dry_run:
         raise M2R2Error("say where to write the adapters with -o OUT_DIR (or look first with --dry-run)")
-    if args.every is not None and args.every < 1:
-        raise M2R2Error(f"--every must be at least 1 (got {args.every})")
-    if not args.dry_run:
-        refuse_existing(args.output, args.force)  # before any work
-    ckpt = read_checkpoint(args.checkpoint)
-    lm = load_model(args.base, tokenizer=False)
-    conversion = plan_conversion(ckpt, lm, gates=_gates(args.gates), every=args.every)
-    if args.dry_run:
-        print(format_table(conversion, args.dtype))
+    if job.every is not None and job.every < 1:
+        raise M2R2Error(f"--every must be at least 1 (got {job.every})")
+    if not job.dry_run:
+        refuse_existing(job.output, job.force)  # before any work
+    ckpt = read_checkpoint(job.checkpoint)
+    lm = load_model(job.base, tokenizer=False)
+    conversion = plan_conversion(ckpt, lm, gates=job.gates, every=job.every)
+    if job.dry_run:
+        print(format_table(conversion, job.dtype))
         print("dry run: nothing written")
         return
-    out = write_conversion(conversion, args.output, dtype=args.dtype, force=args.force)
+    out = write_conversion(conversion, job.output, dtype=job.dtype, force=job.force)
     cfg = conversion.config
     print(
-        f"wrote {out}: {conversion.layout} -> {cfg.adapter_form}, gates {cfg.gates}, {args.dtype} "
-        f"(try: m2r2-chat --model {args.base} --adapters {out} --mode speculative)"
+        f"wrote {out}: {conversion.layout} -> {cfg.adapter_form}, gates {cfg.gates}, {job.dtype} "
+        f"(try: m2r2-chat --model {job.base} --adapters {out} --mode speculative)"
     )
 
 
@@ -127,7 +142,17 @@ def _main() -> int:
         out = import_gguf(args.gguf, args.output, force=args.force, keep_quantized=args.keep_quantized)
         print(f"wrote {out} (try: m2r2-chat --model {out})")
     elif args.command == "checkpoint":
-        convert_checkpoint(args)
+        job = CheckpointJob(
+            args.checkpoint,
+            args.base,
+            args.output,
+            _gates(args.gates),
+            args.every,
+            args.dtype,
+            args.dry_run,
+            args.force,
+        )
+        convert_checkpoint(job)
     return 0
 
 

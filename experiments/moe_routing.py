@@ -152,7 +152,7 @@ def _main() -> int:
     args = ap.parse_args()
     if not args.tokens.is_file():
         raise M2R2Error(
-            f"{args.tokens} not found; build it with: python -m m2r2_mlx.moe.tiny_olmoe data -o build/olmoe-data"
+            f"{args.tokens} not found; build it with: python -m m2r2_tools.tiny_olmoe data -o build/olmoe-data"
         )
     lm = load_model(args.model)
     tokens = np.load(args.tokens)

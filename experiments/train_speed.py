@@ -4,8 +4,8 @@ same base, adapters, rows, interval(s), batch and sequence length; tokens/s afte
     python -m experiments.train_speed --data build/data-v3/data.npy --steps 20            # every gate's interval
     python -m experiments.train_speed --data build/data-v3/data.npy --steps 20 --train-gates 6   # the first only
 
-Both run their trainers' own step code (m2r2_mlx.training.train.Trainer.step under its default CPU kernels, and
-m2r2_torch.train.step_loss + backward + AdamW), each in a process of its own with the machine's threads, one after
+Both run their trainers' own step code (m2r2_mlx.training.trainer.Trainer.step under its default CPU kernels, and
+m2r2_torch.step.step_loss + backward + AdamW), each in a process of its own with the machine's threads, one after
 the other (neither framework's threads or caches linger in the other's measurement).
 """
 
@@ -15,15 +15,17 @@ import argparse
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.training.cli import parse_layers
+from m2r2_mlx.training.config import DistillLoss, train_gate_indices
 from m2r2_mlx.training.cpu_kernels import fast_kernels
-from m2r2_mlx.training.train import Trainer, train_gate_indices
+from m2r2_mlx.training.trainer import Trainer
 
 import mlx.core as mx
 import numpy as np
@@ -31,9 +33,20 @@ import torch
 from tqdm.auto import tqdm
 
 from m2r2_torch.base import load_base
+from m2r2_torch.checkpoint import freeze_untrained
 from m2r2_torch.fast_stream import M2R2Torch
-from m2r2_torch.train import batch_rows, freeze_untrained, lr_at, step_loss
-from m2r2_torch.train import train_gate_indices as torch_gate_indices
+from m2r2_torch.step import batch_rows, lr_at, step_loss
+
+
+@dataclass(frozen=True)
+class SpeedRun:
+    model: str | None
+    rank: int
+    lr: float
+    batch_size: int
+    steps: int
+    warmup: int
+    train_gates: list[int] | None
 
 
 def time_steps(step, n_warmup: int, n_steps: int, desc: str) -> float:
@@ -46,39 +59,38 @@ def time_steps(step, n_warmup: int, n_steps: int, desc: str) -> float:
     return (time.perf_counter() - t0) / n_steps
 
 
-def mlx_seconds(args, rows, gates) -> float:
-    lm = load_model(args.model)
+def mlx_seconds(run: SpeedRun, rows, gates) -> float:
+    lm = load_model(run.model)
     lm.model.freeze()
-    m2r2 = new_m2r2(lm, gates=gates, rank=args.rank)
-    total = args.warmup + args.steps
-    trainer = Trainer(m2r2, lr=args.lr, steps=total, gate_indices=train_gate_indices(m2r2, args.train_gates))
+    m2r2 = new_m2r2(lm, gates=gates, rank=run.rank)
+    total = run.warmup + run.steps
+    trainer = Trainer(m2r2, lr=run.lr, steps=total, gate_indices=train_gate_indices(m2r2.config, run.train_gates))
 
     def step(i):
         with fast_kernels(True):  # m2r2-train's default on the CPU
-            trainer.step(mx.array(rows[batch_rows(0, i, len(rows), args.batch_size)]))
+            trainer.step(mx.array(rows[batch_rows(0, i, len(rows), run.batch_size)]))
 
-    return time_steps(step, args.warmup, args.steps, "m2r2-train (MLX)")
+    return time_steps(step, run.warmup, run.steps, "m2r2-train (MLX)")
 
 
-def torch_seconds(args, rows, gates) -> float:
-    lm = load_base(args.model, "cpu", tokenizer=False)
-    model = M2R2Torch(lm.model, lm.m2r2_config(gates, adapter_rank=args.rank))
-    gate_indices = torch_gate_indices(model.config, args.train_gates)
+def torch_seconds(run: SpeedRun, rows, gates) -> float:
+    lm = load_base(run.model, "cpu", tokenizer=False)
+    model = M2R2Torch(lm.model, lm.m2r2_config(gates, adapter_rank=run.rank))
+    gate_indices = train_gate_indices(model.config, run.train_gates)
     freeze_untrained(model, gate_indices)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    loss_args = SimpleNamespace(distill_temp=1.0, distill_top_k=16, align=1.0)
-    total = args.warmup + args.steps
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=run.lr, weight_decay=0.0)
+    total = run.warmup + run.steps
 
     def step(i):
-        ids = torch.from_numpy(rows[batch_rows(0, i, len(rows), args.batch_size)].astype(np.int64))
+        ids = torch.from_numpy(rows[batch_rows(0, i, len(rows), run.batch_size)].astype(np.int64))
         for group in opt.param_groups:
-            group["lr"] = lr_at(i, args.lr, total)
-        loss, _ = step_loss(model, model, ids, None, loss_args, gate_indices, 1)
+            group["lr"] = lr_at(i, run.lr, total)
+        loss, _ = step_loss(model, model, ids, None, DistillLoss(), gate_indices, 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    return time_steps(step, args.warmup, args.steps, "m2r2-train-torch (PyTorch)")
+    return time_steps(step, run.warmup, run.steps, "m2r2-train-torch (PyTorch)")
 
 
 def side_seconds(side: str) -> float:
@@ -95,12 +107,12 @@ def side_seconds(side: str) -> float:
     return float(lines[-1].split()[1])
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.train_speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="token rows (an m2r2-train data.npy)")
     ap.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
     ap.add_argument("--gates", default="6,12,18,24")
-    ap.add_argument("--train-gates", help="train only these gates' intervals (default: all)")
+    ap.add_argument("--train-gates", type=parse_layers, help="train only these gates' intervals (default: all)")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256, help="the rows' first N tokens")
@@ -108,20 +120,26 @@ def _main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--side", choices=("mlx", "torch"), help=argparse.SUPPRESS)  # one trainer, in its own process
-    args = ap.parse_args()
+    return ap
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
     rows = np.load(args.data)
     if rows.ndim != 2 or rows.shape[1] < args.seq_len:
         raise M2R2Error(f"{args.data} holds rows of shape {rows.shape}; need (N, >= {args.seq_len}) token ids")
     rows = np.ascontiguousarray(rows[:, : args.seq_len])
     gates = [int(g) for g in args.gates.split(",")]
     if args.side:
-        seconds = (mlx_seconds if args.side == "mlx" else torch_seconds)(args, rows, gates)
+        run = SpeedRun(args.model, args.rank, args.lr, args.batch_size, args.steps, args.warmup, args.train_gates)
+        seconds = (mlx_seconds if args.side == "mlx" else torch_seconds)(run, rows, gates)
         print(f"SECONDS_PER_STEP {seconds}")
         return 0
     print(blas_info().describe(), f"; torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     tokens = args.batch_size * args.seq_len
     mlx_s, torch_s = (side_seconds(side) for side in ("mlx", "torch"))
-    what = f"gates {args.gates}, training {args.train_gates or 'all'}; {args.batch_size} x {args.seq_len} tokens"
+    training = ",".join(map(str, args.train_gates)) if args.train_gates else "all"
+    what = f"gates {args.gates}, training {training}; {args.batch_size} x {args.seq_len} tokens"
     print(f"| trainer ({what}) | s/step | tokens/s |\n|---|---:|---:|")
     print(f"| m2r2-train (MLX) | {mlx_s:.2f} | {tokens / mlx_s:.0f} |")
     print(f"| m2r2-train-torch (PyTorch) | {torch_s:.2f} | {tokens / torch_s:.0f} |")
@@ -129,5 +147,9 @@ def _main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main() -> None:
     sys.exit(run_cli("python -m experiments.train_speed", _main))
+
+
+if __name__ == "__main__":
+    main()

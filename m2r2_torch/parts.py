@@ -17,6 +17,7 @@ from pathlib import Path
 from m2r2_mlx.atomic import atomic_write_text, refuse_existing
 from m2r2_mlx.errors import M2R2Error, run_cli
 
+PROG = "python -m m2r2_torch.parts"
 MANIFEST = "manifest.json"
 DEFAULT_PART_MIB = 60
 CHUNK = 1 << 20
@@ -90,8 +91,8 @@ def join(folder: str | Path, dest: str | Path, force: bool = False) -> Path:
     return dest
 
 
-def _main() -> int:
-    p = argparse.ArgumentParser(prog="python -m m2r2_torch.parts", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("split", help="split FILE into parts in FOLDER, with manifest.json")
     s.add_argument("file")
@@ -102,7 +103,11 @@ def _main() -> int:
     j.add_argument("folder")
     j.add_argument("file")
     j.add_argument("--force", action="store_true", help="replace an existing FILE")
-    args = p.parse_args()
+    return p
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
     if args.command == "split":
         manifest = split(args.file, args.folder, args.part_mib, args.force)
         n = len(json.loads(manifest.read_text())["parts"])
@@ -113,7 +118,7 @@ def _main() -> int:
 
 
 def main() -> None:
-    sys.exit(run_cli("m2r2_torch.parts", _main))
+    sys.exit(run_cli(PROG, _main))
 
 
 if __name__ == "__main__":

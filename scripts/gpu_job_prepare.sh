@@ -17,7 +17,7 @@ $PY -m m2r2_torch.parts split "$gguf" "$JOB/gguf" --force
 for v in 2 3 4; do gunzip -c data/smollm2-v$v/prompts.jsonl.gz; done > "$JOB/prompts.jsonl"
 [ -z "${PROMPTS_LIMIT:-}" ] || sed -i "$((PROMPTS_LIMIT + 1)),\$d" "$JOB/prompts.jsonl"
 echo "$(wc -l < "$JOB/prompts.jsonl") prompts in $JOB/prompts.jsonl"
-if $PY -m m2r2_mlx.training.corpora -o "$JOB/corpora" --prompts 0 --text-chars "${TEXT_CHARS:-1000000}" 2>/dev/null; then
+if $PY -m m2r2_tools.corpora -o "$JOB/corpora" --prompts 0 --text-chars "${TEXT_CHARS:-1000000}" 2>/dev/null; then
   mv "$JOB/corpora/text.txt" "$JOB/text.txt"
 else
   echo "note: the package corpora are not installed here, so the job trains on answers alone (no $JOB/text.txt)"

@@ -34,7 +34,7 @@ stage() { echo "== $(date -u +%FT%TZ) $*"; }
 device=${DEVICE:+--device $DEVICE}
 
 if compgen -G "$JOB/wheels/*.whl" > /dev/null && ! $PY -c "import gguf" 2> /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --target "$RUN/site" "$JOB"/wheels/*.whl
+  [ -d "$RUN/site/gguf" ] || $PY -m pip install -q --no-index --no-deps --target "$RUN/site" "$JOB"/wheels/*.whl
   export PYTHONPATH=$RUN/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -22,7 +22,7 @@ if [ ! -f $init/adapters.safetensors ]; then
 fi
 # Data v2 is conversations 1-320 of the corpora builder's 2,600 (with its 150k characters of text), data v3 321-640.
 if [ ! -f build/data/prompts-321-640.jsonl ]; then
-  python -m m2r2_mlx.training.corpora -o build/data --prompts 2600 --text-chars 150000
+  python -m m2r2_tools.corpora -o build/data --prompts 2600 --text-chars 150000
   sed -n 1,320p build/data/prompts.jsonl > build/data/prompts-320.jsonl
   sed -n 321,640p build/data/prompts.jsonl > build/data/prompts-321-640.jsonl
 fi

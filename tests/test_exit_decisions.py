@@ -7,6 +7,7 @@ import sys
 
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.arla import ARLA, ARLARule
+from m2r2_mlx.core.config import AdapterMetrics
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate
 from m2r2_mlx.decoding.generate import generate
@@ -175,7 +176,7 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     assert (
         cfg["arla"]
         and cfg["arla_exit_stats"]
-        and set(cfg["extra"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
+        and set(cfg["metrics"]["exit_auc"]["auc"]) == {"confidence", "linear probe", "arla"}
     )
     assert "exit ROC AUC" in r.stderr and (tmp_path / "b" / "draft_vocab.json").is_file()
     vocab = json.loads((tmp_path / "b" / "draft_vocab.json").read_text())["tokens"]
@@ -271,7 +272,7 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "w" / "m2r2_config.json").read_text())
-    assert cfg["adapter_rank"] == [8, 4] and cfg["extra"]["recipe"]["train_gates"] == "10"
+    assert cfg["adapter_rank"] == [8, 4] and cfg["extra"]["recipe"]["train_gates"] == [10]
     a = mx.load(str(tmp_path / "a" / "adapters.safetensors"))
     w = mx.load(str(tmp_path / "w" / "adapters.safetensors"))
     assert w["adapters.0.down.weight"].shape == (8, 576) and w["adapters.10.down.weight"].shape == (4, 576)
@@ -281,7 +282,6 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
 
 def test_exit_rule_follows_the_measured_auc(tiny):
     """Early exit uses ARLA only where it separated right from wrong exits better than confidence on average."""
-    from m2r2_mlx.core.config import AdapterMetrics
     from m2r2_mlx.decoding.decoders import exit_rule
     from m2r2_mlx.decoding.early_exit import confidence
 

@@ -121,11 +121,11 @@ def test_bad_gates_are_refused():
 
 
 def test_short_training_lowers_the_loss():
-    from m2r2_mlx.training.train import Trainer
+    from m2r2_mlx.training.trainer import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=16)
-    trainer = Trainer(m, lr=3e-3, steps=40, temperature=1.0, align=1.0)
+    trainer = Trainer(m, lr=3e-3, steps=40)
     ids = _ids(T=16, B=4, seed=5)
     held_out = _ids(T=16, B=4, seed=6)
     before = trainer.eval_loss(ids), trainer.eval_loss(held_out)
@@ -141,7 +141,7 @@ def test_short_training_lowers_the_loss():
 def test_loss_on_scored_positions_is_the_loss_over_those_positions():
     """Scoring the first half of every row equals the loss of the rows cut in half: a fast-stream position sees
     only earlier ones, and the teacher's vocabulary subset is taken over the scored positions alone."""
-    from m2r2_mlx.training.train import Trainer
+    from m2r2_mlx.training.trainer import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=16)
@@ -232,17 +232,18 @@ def test_per_interval_ranks_widen_and_round_trip(tmp_path):
 
 
 def test_train_gates_leaves_the_other_intervals_alone():
-    from m2r2_mlx.training.train import Trainer, train_gate_indices
+    from m2r2_mlx.training.config import train_gate_indices
+    from m2r2_mlx.training.trainer import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=8)
     _randomize(m)
     before = {n: np.array(p) for n, p in tree_flatten(m.parameters())}
-    trainer = Trainer(m, lr=3e-3, steps=5, gate_indices=train_gate_indices(m, "4"))
+    trainer = Trainer(m, lr=3e-3, steps=5, gate_indices=train_gate_indices(m.config, [4]))
     for _ in range(5):
         trainer.step(_ids(T=16, B=4, seed=5))
     after = dict(tree_flatten(m.parameters()))
     changed = {n.split(".")[1] for n, p in after.items() if not np.array_equal(before[n], np.array(p))}
     assert changed == {"2", "3"}  # layers 2-3 serve the gate at 4; layers 0-1 (gate 2) did not move
     with pytest.raises(M2R2Error, match="must name gates"):
-        train_gate_indices(m, "3")
+        train_gate_indices(m.config, [3])

@@ -97,11 +97,11 @@ def test_unknown_or_non_linear_targets_are_refused():
 
 
 def test_lora_form_trains():
-    from m2r2_mlx.training.train import Trainer
+    from m2r2_mlx.training.trainer import Trainer
 
     lm = tiny_model("llama", seed=4)
     m = new_m2r2(lm, gates=[2, 4], rank=8, lora_targets=["q_proj", "v_proj", "up_proj", "down_proj"])
-    trainer = Trainer(m, lr=3e-3, steps=20, temperature=1.0, align=1.0)
+    trainer = Trainer(m, lr=3e-3, steps=20)
     ids = _ids(T=16, B=4, seed=5)
     before = trainer.eval_loss(ids)
     for _ in range(20):

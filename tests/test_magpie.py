@@ -7,7 +7,13 @@ import sys
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.training.data import read_prompts
-from m2r2_mlx.training.magpie import drop_reason, evaluation_ngrams, pre_query_tokens, sample_requests
+from m2r2_mlx.training.magpie import (
+    MagpieConfig,
+    drop_reason,
+    evaluation_ngrams,
+    pre_query_tokens,
+    sample_requests,
+)
 
 import pytest
 
@@ -60,14 +66,14 @@ def test_filters_drop_short_repeated_and_evaluation_overlapping_requests(tmp_pat
 
 @pytest.mark.slow
 def test_sampled_requests_are_distinct_and_answerable(lm, tmp_path):
-    requests, dropped = sample_requests(lm, 3, max_tokens=64, seed=1, batch_size=8)
+    requests, dropped = sample_requests(lm, 3, MagpieConfig(max_tokens=64, seed=1, batch_size=8))
     assert len(requests) == 3 and len({r.lower() for r in requests}) == 3
     assert all(r.strip() and "<|im_" not in r for r in requests)  # the user's text only, no template tokens
     assert set(dropped) == {"unfinished", "length", "duplicate", "evaluation overlap"}
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"category": "magpie", "turns": [r]}) + "\n" for r in requests))
     assert read_prompts(path) == [[r] for r in requests]
-    again, _ = sample_requests(lm, 3, max_tokens=64, seed=1, batch_size=8)
+    again, _ = sample_requests(lm, 3, MagpieConfig(max_tokens=64, seed=1, batch_size=8))
     assert again == requests  # deterministic for a seed
 
 
@@ -75,7 +81,7 @@ def test_a_model_that_never_ends_its_requests_is_one_clear_error(lm):
     with pytest.raises(
         M2R2Error, match=r"only 0 of 1 requests kept after 20 samples \(unfinished \d+.*raise --max-tokens"
     ):
-        sample_requests(lm, 1, max_tokens=1, seed=0, batch_size=10)  # one token never closes a request
+        sample_requests(lm, 1, MagpieConfig(max_tokens=1, batch_size=10))  # one token never closes a request
 
 
 def test_cli_refuses_to_overwrite_and_a_bad_count(tmp_path):

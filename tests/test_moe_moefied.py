@@ -1,4 +1,4 @@
-"""The MoEfied SmolLM2 (m2r2_mlx.moe.moefy) on a real slice: its first 4 layers cut into 8 experts, top-2.
+"""The MoEfied SmolLM2 (m2r2_tools.moefy) on a real slice: its first 4 layers cut into 8 experts, top-2.
 
 It loads through mlx-lm's own loader by model_type; with every expert chosen it is the dense slice;
 its experts offload to an expert store and cache, and decoding within a budget, with any predictor
@@ -17,7 +17,6 @@ from m2r2_mlx.models.moefied_llama import ModelArgs, MoefiedMLP
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe import ExpertStore, moe_blocks, offload_experts
 from m2r2_mlx.moe.fused_predictor import prediction_plan
-from m2r2_mlx.moe.moefy import balanced_kmeans, layer_pass, moefy_layer
 from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor
 
@@ -28,13 +27,23 @@ from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 
 from m2r2_bench.moe_bench import greedy
+from m2r2_tools.moefy_layers import balanced_kmeans, layer_pass, moefy_layer
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
-DOCS = sorted(str(p) for p in (Path(__file__).parents[1] / "docs").glob("*.md"))
+QUESTIONS = Path(__file__).parents[1] / "bench" / "data" / "question.jsonl"  # Spec-Bench's, shipped with the bench
+
+
+def corpus(folder: Path) -> Path:
+    """A fixed corpus a fresh clone always has: Spec-Bench's question turns as paragraphs (real English prose and
+    code). Fixed, so that the slice's routers and held-out text do not move when the docs change."""
+    turns = [t for line in QUESTIONS.read_text().splitlines() for t in json.loads(line)["turns"]]
+    path = folder / "corpus.txt"
+    path.write_text("\n\n".join(t.strip() for t in turns if t.strip()))
+    return path
 
 
 def _moefy(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "m2r2_mlx.moe.moefy", *args], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "m2r2_tools.moefy", *args], capture_output=True, text=True, timeout=600)
     if check:
         assert r.returncode == 0, r.stderr[-2000:]
     return r
@@ -43,7 +52,7 @@ def _moefy(*args, check=True):
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("moefy") / "smollm2-moe-slice"
-    # the project's own docs as the corpus: real English prose and code that a fresh clone always has
+    text = corpus(out.parent)
     _moefy(
         "-o",
         str(out),
@@ -60,7 +69,7 @@ def folder(tmp_path_factory):
         "--router-steps",
         "60",
         "--text",
-        *DOCS,
+        str(text),
     )
     return out
 

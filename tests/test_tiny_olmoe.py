@@ -8,10 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from m2r2_mlx.moe.tiny_olmoe import CONFIG, mlx_weights, moe_losses, torch_model, train  # noqa: E402
-
 from mlx_lm.models import olmoe  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+
+from m2r2_tools.olmoe_model import TinyOlmoe, moe_losses  # noqa: E402
+from m2r2_tools.olmoe_train import OlmoeTraining, train  # noqa: E402
+from m2r2_tools.tiny_olmoe import CONFIG, mlx_weights  # noqa: E402
 
 TINY = dict(
     CONFIG,
@@ -28,7 +30,7 @@ TINY = dict(
 
 def _trained_torch(tmp_path, config):
     torch.manual_seed(0)
-    model = torch_model(config)
+    model = TinyOlmoe(config)
     with torch.no_grad():  # norms away from 1 so a wrong norm placement shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -71,19 +73,8 @@ def test_training_step_lowers_the_loss_on_cpu(tmp_path):
     data.mkdir()
     np.save(data / "train.npy", ids)
     np.save(data / "eval.npy", ids[:500])
-    s = train(
-        data,
-        tmp_path / "out",
-        "cpu",
-        steps=30,
-        batch=8,
-        seq=32,
-        lr=3e-3,
-        seed=0,
-        max_minutes=5,
-        shard_mb=0.05,
-        config=TINY,
-    )
+    run = OlmoeTraining(device="cpu", steps=30, batch=8, seq=32, lr=3e-3, max_minutes=5, shard_mb=0.05)
+    s = train(data, tmp_path / "out", run, TINY)
     assert s["log"][-1]["ce"] < s["log"][0]["ce"] - 0.5
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1  # sharded
     assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == TINY["hidden_size"]

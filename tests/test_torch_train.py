@@ -22,7 +22,8 @@ pytest.importorskip("transformers")
 
 from m2r2_torch.fast_stream import M2R2Torch  # noqa: E402  (after the skip: needs torch)
 from m2r2_torch.modules import M2R2Adapters  # noqa: E402
-from m2r2_torch.train import build_parser, lr_at, train  # noqa: E402
+from m2r2_torch.step import lr_at  # noqa: E402
+from m2r2_torch.train import parse_configs, train  # noqa: E402
 
 from .torch_tiny import tiny_hf  # noqa: E402
 
@@ -73,7 +74,7 @@ def args_for(base, out, *extra, steps=6):
 
 
 def run(argv):
-    return train(build_parser().parse_args(argv))
+    return train(*parse_configs([str(a) for a in argv]))
 
 
 def torch_weights(out: Path) -> dict:
@@ -109,7 +110,7 @@ def test_trained_adapters_convert_to_the_same_exit_logits_in_mlx(base, trained):
     m2r2 = load_adapters(lm, out)  # the MLX folder, checked against the base's identity
     cfg = m2r2.config
     assert (cfg.gates, cfg.adapter_rank, cfg.context_feature) == ([2, 4], 4, True)
-    assert set(cfg.extra["heldout_agreement"]) >= {"gates", "naive", "m2r2", "tokens"}
+    assert set(cfg.metrics.heldout_agreement) >= {"gates", "naive", "m2r2", "tokens"}
     assert (out / "draft_vocab.json").is_file() and (out / "data.npy").exists() is False  # --data: no cache copy
 
     module = M2R2Adapters.from_config(M2R2Config.load(out / "torch"), hf.model.layers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,7 +60,7 @@ def widen_adapters(m2r2: M2R2Model, ranks: int | list[int], seed: int = 0) -> M2
     cfg = m2r2.config
     if cfg.adapter_form != "parallel_bottleneck":
         raise M2R2Error("only bottleneck adapters can be widened; LoRA ranks are fixed by their checkpoint")
-    wide = M2R2Model(m2r2.base, M2R2Config(**{**asdict(cfg), "adapter_rank": ranks}))
+    wide = M2R2Model(m2r2.base, replace(cfg, adapter_rank=ranks))
     for i, (new, old) in enumerate(zip(wide.adapters, m2r2.adapters)):
         grow = new.down.weight.shape[0] - old.down.weight.shape[0]
         if grow < 0:

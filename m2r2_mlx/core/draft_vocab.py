@@ -24,6 +24,7 @@ from .config import CONFIG_FILE
 from .integrity import record_hashes
 
 FILE = "draft_vocab.json"
+PROG = "python -m m2r2_mlx.core.draft_vocab"
 
 
 def rank_tokens(rows: np.ndarray, vocab_size: int) -> tuple[list[int], list[float]]:
@@ -54,9 +55,7 @@ def load_draft_vocab(folder: str | Path, size: int, otherwise: str = "drop --dra
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m m2r2_mlx.core.draft_vocab", description="Write ADAPTERS/draft_vocab.json."
-    )
+    p = argparse.ArgumentParser(prog=PROG, description="Write ADAPTERS/draft_vocab.json.")
     p.add_argument("adapters", help="adapters folder to write draft_vocab.json into")
     p.add_argument("--data", required=True, help="token rows (.npy, as m2r2-train caches them in OUT/data.npy)")
     p.add_argument("--vocab-size", type=int, default=None, help="default: from the adapters' base model config")
@@ -75,7 +74,7 @@ def _main() -> int:
 
 
 def main() -> None:
-    sys.exit(run_cli("draft_vocab", _main))
+    sys.exit(run_cli(PROG, _main))
 
 
 if __name__ == "__main__":

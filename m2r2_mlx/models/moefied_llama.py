@@ -1,6 +1,6 @@
 """A llama whose FFNs were split into experts (MoEfication): mlx-lm's llama with a sparse MLP per layer.
 
-``python -m m2r2_mlx.moe.moefy`` builds one from a dense llama (SmolLM2): each layer's FFN neurons
+``python -m m2r2_tools.moefy`` builds one from a dense llama (SmolLM2): each layer's FFN neurons
 are grouped into ``num_experts`` experts of ``intermediate_size / num_experts`` neurons, and a
 linear router picks ``num_experts_per_tok`` of them per token. An expert is the FFN restricted to
 its neurons, so the block's output is the plain sum of the chosen experts' outputs (no gate

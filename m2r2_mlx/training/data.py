@@ -10,20 +10,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_save_npy
 from ..errors import M2R2Error
+from .config import TrainConfig
 
 DATA_CACHE = "data.npy"  # token rows, self-distilled answers included: generated once per output folder
 # beside it, data.mask.npy (mask_path): the positions that predict an answer or text token
 DISTILL_LOG = "distilled.jsonl"  # answers as they finish, for resuming an interrupted self-distillation
 
 
-def read_text_files(paths: list[str | Path]) -> list[str]:
+def read_text_files(paths: Sequence[str | Path]) -> list[str]:
     texts = []
     for p in paths:
         p = Path(p)
@@ -197,39 +198,39 @@ def self_distill(
     return transcripts
 
 
-def load_rows(args, lm, out: Path, generate=None) -> tuple[np.ndarray, np.ndarray | None]:
+def load_rows(config: TrainConfig, lm, out: Path, generate=None) -> tuple[np.ndarray, np.ndarray | None]:
     """Token rows from text files and self-distilled answers (cached in OUTPUT/data.npy, or given by --data),
-    and their loss mask (pack_loss_mask; cached beside them), None where there is none. ``args``: a trainer's
-    data, text, prompts, answer_tokens, seq_len and seed; ``generate``: as for self_distill."""
-    if args.data:
-        path = Path(args.data)
+    and their loss mask (pack_loss_mask; cached beside them), None where there is none. From ``config``: data,
+    text, prompts, answer_tokens, seq_len and seed; ``generate``: as for self_distill."""
+    if config.data:
+        path = Path(config.data)
         if not path.is_file():
             raise M2R2Error(f"--data {path} not found; pass the data.npy of an earlier m2r2-train output folder")
         try:
             rows = np.load(path)
         except ValueError:
             raise M2R2Error(f"--data {path} is not a .npy array of token rows; pass an earlier data.npy") from None
-        if rows.ndim != 2 or rows.shape[1] != args.seq_len or not np.issubdtype(rows.dtype, np.integer):
+        if rows.ndim != 2 or rows.shape[1] != config.seq_len or not np.issubdtype(rows.dtype, np.integer):
             raise M2R2Error(
-                f"--data {path} holds {rows.dtype} rows of shape {rows.shape}, not token ids (N, {args.seq_len}); "
+                f"--data {path} holds {rows.dtype} rows of shape {rows.shape}, not token ids (N, {config.seq_len}); "
                 "match --seq-len"
             )
         return rows, _load_mask(mask_path(path), rows.shape)
     cache = out / DATA_CACHE
-    if cache.is_file() and (mask_path(cache).is_file() or not (args.text or args.prompts)):
+    if cache.is_file() and (mask_path(cache).is_file() or not (config.text or config.prompts)):
         rows = np.load(cache)
         return rows, _load_mask(mask_path(cache), rows.shape)
-    seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(args.text)]
+    seqs = [lm.tokenizer.encode(t, add_special_tokens=False) for t in read_text_files(config.text)]
     scored_from = [0] * len(seqs)  # plain text: every next token
-    if args.prompts:
-        conversations = read_prompts(args.prompts)
+    if config.prompts:
+        conversations = read_prompts(config.prompts)
         if conversations:
             with tqdm(total=sum(map(len, conversations)), desc="self-distilling answers", unit="answer") as bar:
                 # answers are logged as they finish: an interrupted run resumes here without losing them
                 transcripts = self_distill(
                     lm,
                     conversations,
-                    args.answer_tokens,
+                    config.answer_tokens,
                     log_path=out / DISTILL_LOG,
                     progress=bar.update,
                     generate=generate,
@@ -239,8 +240,8 @@ def load_rows(args, lm, out: Path, generate=None) -> tuple[np.ndarray, np.ndarra
             scored_from += [t.prompt_len for t in transcripts]
     if not seqs:
         raise M2R2Error("no training data: pass --text FILE... and/or --prompts FILE.jsonl (with prompts in it)")
-    rows, mask = pack_rows(seqs, args.seq_len), pack_loss_mask(seqs, scored_from, args.seq_len)
-    order = np.random.default_rng(args.seed).permutation(len(rows))
+    rows, mask = pack_rows(seqs, config.seq_len), pack_loss_mask(seqs, scored_from, config.seq_len)
+    order = np.random.default_rng(config.seed).permutation(len(rows))
     rows, mask = rows[order], mask[order]
     if cache.is_file():  # rows packed before masks were kept: add their mask, never replace them
         if not np.array_equal(np.load(cache), rows):
@@ -260,3 +261,30 @@ def _load_mask(path: Path, shape: tuple) -> np.ndarray | None:
     if mask.shape != shape or mask.dtype != bool:
         raise M2R2Error(f"{path} is not a boolean loss mask of shape {shape}; rebuild the rows with --stage data")
     return mask
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Held-out rows (the first ones) and training rows, each with its loss mask (None without one)."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    train_mask: np.ndarray | None
+    heldout_mask: np.ndarray | None
+
+
+def split_rows(config: TrainConfig, rows: np.ndarray, mask: np.ndarray | None, out: Path) -> RowSplit:
+    """The first eval_rows rows (at most a tenth, at least one) held out, the rest to train on; checks that the
+    loss has its mask (loss_on "answers") and the training rows fill a batch."""
+    if config.loss_on == "answers" and mask is None:
+        where = mask_path(config.data or out / DATA_CACHE)
+        raise M2R2Error(
+            f"--loss-on answers needs the rows' loss mask {where}; rebuild the rows with --stage data, which writes it"
+        )
+    n = min(config.eval_rows, max(1, len(rows) // 10))
+    split = RowSplit(rows[n:], rows[:n], None if mask is None else mask[n:], None if mask is None else mask[:n])
+    if len(split.train) < config.batch_size:
+        raise M2R2Error(
+            f"{len(split.train)} training rows of {config.seq_len} tokens is fewer than one batch; add data"
+        )
+    return split
