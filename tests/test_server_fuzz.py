@@ -43,7 +43,30 @@ FIELDS = {
     **{f: (NAMES if o.type is str else NUMBERS if o.type in (int, float) else st.booleans()) | JSON
        for o in OPTIONS for f in o.fields},
 }  # fmt: skip
-BODIES = st.fixed_dictionaries({}, optional=FIELDS) | st.dictionaries(st.text(max_size=10), JSON, max_size=4) | JSON
+PLAUSIBLE = {  # values a real client sends: these bodies mostly pass the parser and decode
+    "mode": NAMES,
+    "max_tokens": st.integers(1, 10**6),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(0, 200),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "seed": st.integers(0, 2**64 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "draft": st.integers(1, 12),
+    "tau": st.floats(0, 1),
+}
+VALID = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=40)}), min_size=1,
+                          max_size=2),
+     "prompt": st.text(min_size=1, max_size=40)},
+    optional=PLAUSIBLE,
+)  # fmt: skip
+BODIES = (
+    VALID | st.fixed_dictionaries({}, optional=FIELDS) | st.dictionaries(st.text(max_size=10), JSON, max_size=4) | JSON
+)
 KINDS = st.sampled_from(["chat", "text"])
 
 
