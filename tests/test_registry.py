@@ -50,6 +50,10 @@ def test_truncated_safetensors(tmp_path, lm):
             (bad / f.name).symlink_to(f)
     with open(lm.path / "model.safetensors", "rb") as f:
         (bad / "model.safetensors").write_bytes(f.read(1_000_000))
+    # sealed (an import's folder): the record's sizes tell, in one line, before any weight is read
+    with pytest.raises(M2R2Error, match=r"is damaged: model\.safetensors is 1000000 bytes, .* \(truncated"):
+        load_model(str(bad))
+    (bad / "complete.json").unlink()  # a folder without a record (m2r2-convert gguf, older m2r2): the reader tells
     with pytest.raises(M2R2Error, match="could not load the model.*truncated"):
         load_model(str(bad))
 

@@ -16,6 +16,7 @@ from ..models.registry import variant_note
 from .config import ADAPTERS_FILE, M2R2Config, even_gates
 from .draft_vocab import load_draft_vocab
 from .fast_stream import ContextFeature, M2R2Model
+from .integrity import record_hashes, verify_adapters
 
 
 def config_for_base(lm, gates: list[int], **fields) -> M2R2Config:
@@ -100,6 +101,7 @@ def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, 
     with atomic_folder(folder, keep=keep) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
+    record_hashes(folder)  # after the rename: the files ``keep`` carried over are recorded too
     return folder
 
 
@@ -109,6 +111,7 @@ def load_adapters(lm, folder: str | Path) -> M2R2Model:
     if not folder.is_dir():
         raise M2R2Error(f"adapters folder {folder} not found; check --adapters")
     cfg = M2R2Config.load(folder)
+    verify_adapters(folder)  # before any weight is read: damaged adapters fail here, in one line
     have = config_hash(lm.config)
     # another variant of the same model (phi3's 4-bit conversion for adapters trained on phi3-bf16): allowed, said
     variant = variant_note(cfg.base_model, lm.name)

