@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import M2R2Error
+from .blocks import top_scored
 from .cache import ExpertCache
 
 
@@ -58,13 +59,17 @@ class LookaheadPredictor:
 
     def on_layer(self, layer: int, x: mx.array) -> None:
         for target in self.cache.next_layers(layer, self.lookahead):
-            experts = self.predict(target, x)
+            experts, scores = self.predict_scored(target, x)
             if experts:
-                self.cache.prefetch(target, experts)
+                self.cache.prefetch(target, experts, scores=scores)
 
     def predict(self, layer: int, x: mx.array) -> list[int]:
         """Experts ``layer`` is expected to use at this step, most likely first."""
         raise NotImplementedError
+
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], list[float] | None]:
+        """``predict``'s experts and, where the predictor has them, its probability of each (None: none)."""
+        return self.predict(layer, x), None
 
 
 def _by_votes(ids: np.ndarray) -> list[int]:
@@ -87,6 +92,11 @@ class PreGating(LookaheadPredictor):
     def predict(self, layer: int, x: mx.array) -> list[int]:
         return _by_votes(np.array(self.cache.routers[layer](x)))
 
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], list[float] | None]:
+        if x.shape[0] != 1 or layer not in self.cache.scorers:
+            return self.predict(layer, x), None
+        return top_scored(np.array(self.cache.scorers[layer](x))[0], self.cache.top_k(layer))
+
 
 class ShuffledControl(PreGating):
     """As many experts as pre-gating predicts, drawn at random with a fixed seed."""
@@ -98,6 +108,9 @@ class ShuffledControl(PreGating):
     def predict(self, layer: int, x: mx.array) -> list[int]:
         n = len(super().predict(layer, x))
         return [int(e) for e in self.rng.choice(self.cache.num_experts(layer), size=n, replace=False)]
+
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], list[float] | None]:
+        return self.predict(layer, x), None
 
 
 class Oracle(LookaheadPredictor):

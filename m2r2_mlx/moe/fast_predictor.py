@@ -27,7 +27,7 @@ import numpy as np
 
 from ..core.fast_stream import M2R2Model, SlowKVView
 from ..errors import M2R2Error
-from .blocks import moe_blocks
+from .blocks import moe_blocks, top_scored
 from .cache import ExpertCache
 
 
@@ -128,7 +128,8 @@ class FastStreamPredictor:
         step = self.cache.step + (0 if self.cache.layers[0] < start else 1)
         for t in self.targets(stop):
             x = self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1)
-            self.cache.prefetch(t, [int(e) for e in np.array(self.cache.routers[t](x))[0]], step)
+            experts, scores = top_scored(np.array(self.cache.scorers[t](x))[0], self.cache.top_k(t))
+            self.cache.prefetch(t, experts, step, scores)
 
     def _run_fast(self, h: mx.array, start: int, stop: int) -> mx.array:
         views = {i: SlowKVView(self.caches[i]) for i in range(start, stop)}

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
-from .blocks import moe_blocks
+from .blocks import moe_blocks, top_scored
 from .cache import ExpertCache
 from .fast_predictor import LayerTap
 
@@ -145,9 +145,10 @@ class FusedPredictor:
     def predict(self, targets: list[int], exit_state: mx.array) -> None:
         """The exit state through each target layer's router; loads queued in layer order (order of need)."""
         picks = [
-            self.cache.routers[t](self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1))
+            self.cache.scorers[t](self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1))
             for t in targets
         ]
         mx.eval(picks)
         for t, p in zip(targets, picks):
-            self.cache.prefetch(t, [int(e) for e in np.array(p)[0]])
+            experts, scores = top_scored(np.array(p)[0], self.cache.top_k(t))
+            self.cache.prefetch(t, experts, scores=scores)
