@@ -52,7 +52,7 @@ class BenchModelBuild:
     heldout_tokens: int = 4096
     router_steps: int = 300
     adapter_tokens: int = 65536  # corpus tokens (held-out documents excluded) the adapters learn from
-    adapter_steps: int = 120
+    adapter_steps: int = 60
     adapter_seq_len: int = 128
 
     @property
@@ -108,6 +108,7 @@ def build_model(build: BenchModelBuild, progress: bool = True) -> dict:
                 train_ids=build.adapter_tokens,
                 adapters=PACKAGED_ADAPTERS if build.layers is None else None,
                 adapters_out=build.adapters,
+                evaluate=False,  # a minute of the build; `python -m m2r2_tools.moefy` measures the quality
                 force=True,
             )
         )

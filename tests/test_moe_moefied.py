@@ -15,7 +15,7 @@ from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.moefied_llama import ModelArgs, MoefiedMLP
 from m2r2_mlx.models.registry import load_model
-from m2r2_mlx.moe import ExpertStore, moe_blocks, offload_experts
+from m2r2_mlx.moe import ExpertStore, Oracle, Prefetcher, PrefetchPlanner, ShuffledControl, moe_blocks, offload_experts
 from m2r2_mlx.moe.fused_predictor import prediction_plan
 from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor
@@ -209,3 +209,34 @@ def test_bench_unknown_profile_is_one_line():
     )
     assert r.returncode != 0 and "unknown device profile 'laptop'" in r.stderr and "pcie-gpu" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _decode(folder, store, budget, predictor=None, planned=True, trace=None):
+    """(tokens, decode seconds, stats, planner decisions, the run's trace) at ``budget`` on an emulated link."""
+    lm = load_model(str(folder), tokenizer=False)
+    cache = offload_experts(lm.model, store, budget, link=link_for(2.35, store.expert_bytes(), 1.0))
+    if predictor is not None:
+        Prefetcher(cache)
+    planner = PrefetchPlanner().attach(cache) if planned else None
+    if predictor is not None:
+        predictor.attach(cache)
+    cache.trace = {} if trace else None
+    tokens, seconds = greedy(lm.model, np.load(folder / "heldout.npy")[:24], 16, on_prefilled=cache.reset)
+    cache.close()
+    return tokens, seconds, cache.stats, planner.decisions if planner else None, cache.trace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.25, 0.375, 0.5])
+def test_the_planner_makes_random_predictions_cost_nothing_and_true_routes_pay(folder, store, budget):
+    """Random experts: the loader issues nothing, so the cache is LRU (same misses, same bytes over the link; wall
+    time compared loosely, the machine is shared). True routes: loaded ahead, most of LRU's stalls hidden."""
+    lru_tokens, lru_s, lru, _, trace = _decode(folder, store, budget, planned=False, trace=True)
+    tokens, seconds, s, decisions, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
+    assert tokens == lru_tokens
+    assert decisions["loaded"] <= 0.01 * decisions["considered"] and s.total("prefetch_loads") == decisions["loaded"]
+    assert s.misses == lru.misses and s.bytes_moved == lru.bytes_moved
+    assert seconds < 1.5 * lru_s
+    tokens, _, s, decisions, _ = _decode(folder, store, budget, Oracle(trace))
+    assert tokens == lru_tokens and decisions["loaded"] > 0
+    assert s.misses + s.total("prefetch_loads") <= lru.misses and s.stall_s < 0.6 * lru.stall_s
