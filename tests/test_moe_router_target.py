@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from m2r2_mlx.core.adapters import load_adapters, new_m2r2
+from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe.router_adapters import RouterAdaptersSpec, train_router_adapters
 from m2r2_mlx.moe.router_target import RouterTarget, RouterTargetConfig, exit_targets
@@ -108,3 +108,18 @@ def test_training_leaves_the_base_untouched():
     assert all(np.array_equal(before[k], np.array(after[k])) for k in before)
     assert all(type(b.gate).__name__ == "Linear" for b in (layer.mlp for layer in lm.model.model.layers))
     mx.eval(after)
+
+
+def test_a_warm_start_keeps_the_init_folders_other_files(tmp_path):
+    lm = tiny_model("olmoe")
+    save_adapters(new_m2r2(lm, gates=[2, 4], rank=8), tmp_path / "init")
+    (tmp_path / "init" / "draft_vocab.json").write_text("[1, 2, 3]")  # an exit vocabulary travels with its adapters
+    ids = tmp_path / "ids.npy"
+    np.save(ids, ROWS.reshape(-1))
+    spec = RouterAdaptersSpec(
+        out=tmp_path / "init", ids=ids, init=tmp_path / "init", seq_len=16, eval_rows=2, force=True,
+        train=RouterTargetConfig(steps=1, batch_size=2),
+    )  # fmt: skip
+    train_router_adapters(lm, spec, progress=False)
+    assert (tmp_path / "init" / "draft_vocab.json").read_text() == "[1, 2, 3]"
+    assert "router_target" in load_adapters(lm, tmp_path / "init").config.extra

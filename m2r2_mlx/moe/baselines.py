@@ -67,8 +67,8 @@ class LookaheadPredictor:
         """Experts ``layer`` is expected to use at this step, most likely first."""
         raise NotImplementedError
 
-    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], list[float] | None]:
-        """``predict``'s experts and, where the predictor has them, its probability of each (None: none)."""
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
+        """``predict``'s experts and, where the predictor has them, its probability of every expert (None: none)."""
         return self.predict(layer, x), None
 
 
@@ -92,7 +92,7 @@ class PreGating(LookaheadPredictor):
     def predict(self, layer: int, x: mx.array) -> list[int]:
         return _by_votes(np.array(self.cache.routers[layer](x)))
 
-    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], list[float] | None]:
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
         if x.shape[0] != 1 or layer not in self.cache.scorers:
             return self.predict(layer, x), None
         return top_scored(np.array(self.cache.scorers[layer](x))[0], self.cache.top_k(layer))
@@ -109,7 +109,7 @@ class ShuffledControl(PreGating):
         n = len(super().predict(layer, x))
         return [int(e) for e in self.rng.choice(self.cache.num_experts(layer), size=n, replace=False)]
 
-    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], list[float] | None]:
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
         return self.predict(layer, x), None
 
 

@@ -78,8 +78,8 @@ def router_scores(block: nn.Module) -> Callable[[mx.array], mx.array] | None:
     return lambda x: mx.softmax(gate(x).astype(mx.float32), axis=-1)
 
 
-def top_scored(probs, k: int) -> tuple[list[int], list[float]]:
+def top_scored(probs, k: int):
     """The ``k`` most probable experts of one token's router probabilities (numpy, (E,)), most probable first, and
-    their probabilities."""
+    the probabilities themselves: what a predictor passes to ``cache.prefetch`` (experts, scores)."""
     order = probs.argsort()[::-1][:k]
-    return [int(e) for e in order], [float(probs[e]) for e in order]
+    return [int(e) for e in order], probs

@@ -228,8 +228,8 @@ class ExpertCache:
         The prediction is scored against the experts really used (precision/recall). Loads go
         to the background ``Prefetcher`` if one is attached, else happen now (and stall).
         At most S experts per request are loaded (more could not all stay resident). With a
-        ``planner``, only those it expects to pay; ``scores``: the router's probability of each
-        expert (same order), where the predictor has them.
+        ``planner``, only those it expects to pay; ``scores``: the predictor's probability of every
+        expert of the layer (indexed by expert id), where it has them.
         """
         step = self.step if step is None else step
         experts = list(dict.fromkeys(int(e) for e in experts))

@@ -98,6 +98,7 @@ class PrefetchPlanner:
         self.cache: ExpertCache | None = None
         self._pending: dict[tuple[int, int], list[tuple[int, tuple]]] = {}  # (step, layer) -> (expert, keys)
         self._used_now: dict[int, tuple[int, set[int]]] = {}  # layer -> (step, experts it used then)
+        self._dist: dict[tuple[int, int], Sequence[float]] = {}  # (step, layer) -> predicted probability per expert
         self._util, self._clock = 1.0, None  # the link's busy share (pessimistic until measured)
         self.decisions = {"considered": 0, "loaded": 0}
 
@@ -121,9 +122,10 @@ class PrefetchPlanner:
         for expert, keys in self._pending.pop((step, layer), ()):
             self.hits.observe(keys, expert in used)
         if tokens == 1:
-            named = self._named(layer)
-            for rank, e in enumerate(e for e in self._eviction_order(layer) if e not in named):
-                self.reuse.observe(self._reuse_keys(layer, rank), e in used)
+            named, dist = self._named(layer), self._dist.get((step, layer))
+            for rank, e in enumerate(e for e in self._eviction_order(layer, dist) if e not in named):
+                self.reuse.observe(self._reuse_keys(layer, rank, dist is not None), e in used)
+        self._dist.pop((step, layer), None)
         self._used_now[layer] = (step, used)
 
     def _tick(self) -> None:
@@ -138,12 +140,14 @@ class PrefetchPlanner:
         self._clock = (now, link.busy_s)
         step = self.cache.step
         self._pending = {k: v for k, v in self._pending.items() if k[0] >= step}
+        self._dist = {k: v for k, v in self._dist.items() if k[0] >= step}
 
     # -- decisions --------------------------------------------------------------------------------
 
     def select(self, layer: int, experts: Sequence[int], step: int, scores: Sequence[float] | None) -> list[int]:
-        """Of ``experts`` (predicted for ``layer`` at ``step``, most likely first; ``scores`` the router's
-        probabilities, if the predictor has them), those whose load is expected to pay, most likely first."""
+        """Of ``experts`` (predicted for ``layer`` at ``step``, most likely first; ``scores`` the predictor's
+        probability of every expert of the layer, if it has them), those whose load is expected to pay, most likely
+        first. With scores, a prefetch evicts the resident expert the predictor finds least likely."""
         cache = self.cache
         if cache.tokens_now != 1 or step < cache.step:
             return []  # a prompt's pass loads on demand; a past step's prediction is of no use
@@ -152,20 +156,23 @@ class PrefetchPlanner:
         if ahead < 1 and step == here_step:
             return []
         n = cache.num_experts(layer)
+        if scores is not None:
+            self._dist[(step, layer)] = scores
         candidates = []
         for rank, e in enumerate(experts):
             if cache.is_resident(layer, e) or cache.in_flight(layer, e):
                 continue
-            rel = scores[rank] * n if scores is not None else None
+            rel = scores[e] * n if scores is not None else None
             keys = self._hit_keys(layer, ahead, rank, rel)
             self._pending.setdefault((step, layer), []).append((e, keys))
             mean, std = self.hits.posterior(keys)
             candidates.append((max(mean - std, 0.0), e))
         victims = self._victims(layer, step)
         chosen = []
+        by_dist = self._pending_dist(layer) is not None
         for (p, e), (rank, _) in zip(sorted(candidates, key=lambda c: -c[0]), victims):
             self.decisions["considered"] += 1
-            q = 0.0 if rank is None else sum(self.reuse.posterior(self._reuse_keys(layer, rank)))
+            q = 0.0 if rank is None else sum(self.reuse.posterior(self._reuse_keys(layer, rank, by_dist)))
             if p <= (1 - p) * max(self._util, self.config.min_util) + q + self.config.margin:
                 break  # the rest are less likely, and would evict experts more likely to come back
             chosen.append(e)
@@ -181,7 +188,9 @@ class PrefetchPlanner:
         if demand:
             return cache.policies[layer].victim(candidates)
         spare = self._named(layer) | self._current(layer)
-        order = [e for e in self._eviction_order(layer) if e in set(candidates) and e not in spare]
+        order = [
+            e for e in self._eviction_order(layer, self._pending_dist(layer)) if e in candidates and e not in spare
+        ]
         return order[0] if order else None
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -192,12 +201,21 @@ class PrefetchPlanner:
         return (("l", layer, *mid[1:]), mid, coarse)
 
     @staticmethod
-    def _reuse_keys(layer: int, rank: int) -> tuple:
-        return (("l", layer, rank), ("r", rank))
+    def _reuse_keys(layer: int, rank: int, by_dist: bool) -> tuple:
+        return (("l", layer, by_dist, rank), ("r", by_dist, rank))
 
-    def _eviction_order(self, layer: int) -> list[int]:
-        policy = self.cache.policies[layer]
-        return sorted(self.cache.resident(layer), key=policy._key)
+    def _eviction_order(self, layer: int, dist: Sequence[float] | None = None) -> list[int]:
+        """Resident experts, the first to evict first: the least likely by the predictor's probabilities where it
+        gave them (``dist``), else (and among ties) the policy's order."""
+        key = self.cache.policies[layer]._key
+        if dist is None:
+            return sorted(self.cache.resident(layer), key=key)
+        return sorted(self.cache.resident(layer), key=lambda e: (dist[e], key(e)))
+
+    def _pending_dist(self, layer: int) -> Sequence[float] | None:
+        """The predictor's probabilities for ``layer`` at the earliest step not yet computed there."""
+        steps = [s for (s, l) in self._dist if l == layer and s >= self.cache.step]
+        return self._dist[(min(steps), layer)] if steps else None
 
     def _named(self, layer: int) -> set[int]:
         """Experts that predictions for ``layer`` at this step or later name."""
@@ -219,6 +237,6 @@ class PrefetchPlanner:
         cache = self.cache
         free = cache.slots_per_layer[layer] - len(cache.resident(layer)) - cache.pending_loads(layer)
         named, current = self._named(layer), self._current(layer)
-        unnamed = [e for e in self._eviction_order(layer) if e not in named]
+        unnamed = [e for e in self._eviction_order(layer, self._pending_dist(layer)) if e not in named]
         out = [(None, None)] * max(free, 0) + [(rank, e) for rank, e in enumerate(unnamed) if e not in current]
         return out[max(-free, 0) :]  # loads already in flight take the first of them
