@@ -60,6 +60,8 @@ def test_random_predictions_load_nothing_and_leave_lru_as_it_was(store, referenc
     assert (s.hits, s.misses, s.bytes_moved) == (lru.hits, lru.misses, lru.bytes_moved)
     _, raw, _, _ = run(store, budget, ShuffledControl(seed=0))  # unplanned, the same guesses cost bytes
     assert raw.bytes_moved > lru.bytes_moved
+    # and once they are seen not to pay, most layers are not even predicted (the predictor's own work saved)
+    assert s.total("predicted") < 0.75 * raw.total("predicted")
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.25])

@@ -58,7 +58,10 @@ class LookaheadPredictor:
             self.cache = None
 
     def on_layer(self, layer: int, x: mx.array) -> None:
+        planner = self.cache.planner
         for target in self.cache.next_layers(layer, self.lookahead):
+            if planner is not None and not planner.wants(target):
+                continue  # its predictions have not been paying: save the work (the planner probes now and then)
             experts, scores = self.predict_scored(target, x)
             if experts:
                 self.cache.prefetch(target, experts, scores=scores)

@@ -119,6 +119,9 @@ class FastStreamPredictor:
         if h.shape[1] != 1 or any(self.caches.get(i) is None for i in range(*self.starts[start])):
             return  # prompts load on demand; decode steps are what ahead-of-time loading is for
         _, stop = self.starts[start]
+        planner = self.cache.planner
+        if planner is not None and not any(planner.wants(t) for t in self.targets(stop)):
+            return  # none of this exit's predictions has been paying: no run ahead (probed now and then)
         self.running = True
         try:
             exit_state = self._run_fast(h, start, stop)

@@ -128,7 +128,10 @@ class FusedPredictor:
     def step_layer(self, i: int, h: mx.array, mask, kv) -> mx.array | None:
         """Layer ``i`` of a decode step: fused with the fast row inside a predicting interval, else None."""
         if i in self.start_of:
-            self.fast = self.m2r2.start_state(self.start_of[i], h, self.h_prev)
+            j, planner = self.start_of[i], self.cache.planner
+            wanted = planner is None or any(planner.wants(t) for t in self.targets[self.intervals[j][1]])
+            # where none of its exit's predictions has been paying, the fast row does not run (probed now and then)
+            self.fast = self.m2r2.start_state(j, h, self.h_prev) if wanted else None
         if self.fast is None:
             return None
         self.inside, self.cache.fused_rows = True, 1

@@ -52,6 +52,7 @@ class PlannerConfig:
     decay: float = 0.995  # per decode step: a count is worth half after ~140 steps
     min_util: float = 0.1  # the link's busy share is read as at least this
     util_smoothing: float = 0.1  # weight of the newest step in the link's busy share
+    probe_every: int = 8  # a layer whose predictions never pay is still predicted every this many decode steps
 
 
 class Rates:
@@ -164,7 +165,9 @@ class PrefetchPlanner:
                 continue
             rel = scores[e] * n if scores is not None else None
             keys = self._hit_keys(layer, ahead, rank, rel)
-            self._pending.setdefault((step, layer), []).append((e, keys))
+            # the best candidate of a layer also tells whether predicting the layer is worth its own work (wants)
+            scored = keys if candidates else keys + (("top", layer), ("top",))
+            self._pending.setdefault((step, layer), []).append((e, scored))
             mean, std = self.hits.posterior(keys)
             candidates.append((max(mean - std, 0.0), e))
         victims = self._victims(layer, step)
@@ -179,6 +182,19 @@ class PrefetchPlanner:
         self.decisions["loaded"] += len(chosen)
         self.decisions["considered"] += max(0, len(candidates) - len(victims))
         return chosen
+
+    def wants(self, layer: int) -> bool:
+        """Whether a predictor should predict ``layer`` at this step (its own work costs time): not where even
+        its best candidate would pay for a load on average (means, not the bounds loads are decided on: a layer is
+        dropped only where its predictions clearly do not pay); every ``probe_every`` steps
+        regardless, so the estimates keep up with the text."""
+        if self.cache.step % self.config.probe_every == 0 or self.cache.tokens_now != 1:
+            return True
+        p = self.hits.posterior((("top", layer), ("top",)))[0]
+        # the victim's reuse under the ordering this layer's evictions have followed (the one with more history)
+        keys = max((self._reuse_keys(layer, 0, d) for d in (False, True)), key=lambda k: self.reuse.counts[k[0]][1])
+        q = self.reuse.posterior(keys)[0]
+        return p > (1 - p) * self.config.min_util + q + self.config.margin
 
     def victim(self, layer: int, candidates: Sequence[int], demand: bool) -> int | None:
         """Which of ``candidates`` (resident, not needed by the layer computing now) a load into ``layer`` evicts:
