@@ -114,6 +114,15 @@ PREDICTORS: dict[str, PredictorEntry] = {
             control=True,
         ),
         PredictorEntry(
+            "oracle-planned",
+            "oracle (recorded run), planned",
+            "the recorded run's experts through the prefetch planner: what planned loading approaches",
+            lambda i: Oracle(i.trace),
+            needs_trace=True,
+            control=True,
+            planned=True,
+        ),
+        PredictorEntry(
             "none",
             "on demand",
             "no prediction: experts load when the router picks them",
