@@ -82,7 +82,15 @@ def shipped_text(folder: Path) -> Path:
 
 
 def build_model(build: BenchModelBuild, progress: bool = True) -> dict:
-    """Whichever of the two steps is missing; returns what each took (seconds)."""
+    """Whichever of the two steps is missing; returns what each took (seconds). Where it cannot build, one line
+    says why and names the command that builds it once that is fixed."""
+    try:
+        return _build(build, progress)
+    except M2R2Error as e:
+        raise M2R2Error(f"the benchmark MoE {build.out} cannot be built here: {e}; then run {COMMAND}") from None
+
+
+def _build(build: BenchModelBuild, progress: bool) -> dict:
     try:  # the build tools: installed with the package (m2r2_tools), needed only here
         from m2r2_tools.moefy import PACKAGED_ADAPTERS, MoefyConfig
         from m2r2_tools.moefy import build as moefy

