@@ -143,6 +143,8 @@ class ModelWorker:
         key = config
         if key not in self.decoders:
             self.decoders[key] = make_decoder(self.lm, config, self.adapters)
+            if self.decoders[key].note:
+                log.info("note: %s", self.decoders[key].note)
             while len(self.decoders) > KEEP_DECODERS:
                 self.decoders.popitem(last=False)
         self.decoders.move_to_end(key)

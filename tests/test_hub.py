@@ -78,10 +78,10 @@ def test_bad_adapter_names(name, message, hub):
 
 
 def test_modes_needing_adapters_fail_from_names_alone(hub):
-    for mode in ("speculative", "early-exit"):
-        with pytest.raises(M2R2Error, match=f"mode '{mode}' needs M2R2 adapters for 'phi3'.*--adapters"):
-            resolve_for_mode("phi3", None, mode)
-    assert resolve_for_mode("phi3", None, "lookup") == ("phi3", None)
+    with pytest.raises(M2R2Error, match="mode 'early-exit' needs M2R2 adapters for 'phi3'.*--adapters"):
+        resolve_for_mode("phi3", None, "early-exit")
+    for mode in ("lookup", "speculative"):  # speculative drafts by prompt lookup alone without adapters
+        assert resolve_for_mode("phi3", None, mode) == ("phi3", None)
     assert not any(hub.cache.iterdir())  # nothing was fetched
 
 
@@ -125,7 +125,7 @@ def test_chat_mode_without_adapters_fails_before_any_download(tmp_path):
         "--model",
         "phi3",
         "--mode",
-        "speculative",
+        "early-exit",
         "-p",
         "hi",
         HF_HUB_OFFLINE="1",

@@ -302,7 +302,7 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_server_mode_without_adapters_fails_before_any_download(tmp_path):
     r = subprocess.run(
-        [EXE, "--model", "phi3", "--mode", "speculative"],
+        [EXE, "--model", "phi3", "--mode", "early-exit"],
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},

@@ -132,6 +132,8 @@ class ChatApp(App):
         self._show_mode()
         self._update_stats(AnswerStats())
         self._post(f"ready · {blas_info().describe()} · {HELP}", "notice")
+        if self.session.decode.note:
+            self._post(f"note: {self.session.decode.note}", "notice")
         self._unlock_input()
 
     def _show_mode(self) -> None:
@@ -172,6 +174,8 @@ class ChatApp(App):
         self.setup = setup
         self._show_mode()
         self.notify(f"mode: {self._mode_text()}")
+        if self.session.decode.note:
+            self._post(f"note: {self.session.decode.note}", "notice")
 
     def action_next_mode(self) -> None:
         mode = self.setup.mode

@@ -84,6 +84,8 @@ def chat_setup(values: dict) -> ChatSetup:
 def one_shot(setup: ChatSetup, prompt: str) -> int:
     lm = load_model(setup.model, lazy=setup.experts is not None)  # within a budget: experts never all read
     session = make_session(setup, lm)
+    if session.decode.note:
+        print(f"note: {session.decode.note}", file=sys.stderr)
     stats = AnswerStats()
     for ev in session.send(prompt, setup.options.generation):
         stats.add(ev)

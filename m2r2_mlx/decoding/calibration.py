@@ -28,7 +28,7 @@ from .prompt_cache import PromptCache
 
 log = logging.getLogger("m2r2")
 VERSION = 1
-SAVE_EVERY_S = 60.0  # refinements reach the file at most this often (and at the end of an answer)
+SAVE_EVERY_S = 60.0  # refinements reach the file at the end of an answer, at most this often
 SCRATCH_PROMPT = 64  # positions in the throwaway cache a calibration times its forwards after
 
 
@@ -75,8 +75,8 @@ class Calibration:
             log.warning("could not save step costs to %s (%s)", self.path, e.strerror)
         self.saved_at = time.monotonic()
 
-    def refine(self, profile: CostProfile, force: bool = False) -> None:
-        if force or time.monotonic() - self.saved_at >= SAVE_EVERY_S:
+    def refine(self, profile: CostProfile) -> None:
+        if time.monotonic() - self.saved_at >= SAVE_EVERY_S:
             self.save(profile)
 
 

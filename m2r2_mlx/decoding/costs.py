@@ -116,6 +116,8 @@ class StepCosts:
         self.plains: dict[int, deque] = {}  # bucket -> (step, seconds)
         self.samples: dict[int, dict[int, deque]] = {}  # bucket -> positions -> (step, plain steps)
         self.drafts: deque = deque(maxlen=window)  # (step, plain steps)
+        self.stale = False  # a verification was priced against a plain step the machine no longer takes
+        self._memo: dict = {}  # estimates, until the next measurement or step (the planner asks many times a step)
 
     @property
     def bucket(self) -> int:
@@ -123,6 +125,13 @@ class StepCosts:
 
     def tick(self) -> None:
         self.step += 1
+        self._memo.clear()
+
+    def _memoized(self, key, compute):
+        key = (self.bucket, *key)
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def _fresh(self, samples) -> list[float]:
         return [v for s, v in samples if self.step - s <= self.max_age]
@@ -131,23 +140,44 @@ class StepCosts:
     def observe_plain(self, seconds: float) -> None:
         """A plain step: pipelined, as plain decoding runs (or a lone verification, where stretches are off)."""
         self.plains.setdefault(self.bucket, deque(maxlen=self.window)).append((self.step, seconds))
+        self.stale = False
+        self._memo.clear()
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        """A whole verification step of ``n`` positions, as plain steps of this moment (clipped)."""
+        """A whole verification step of ``n`` positions, as plain steps of this moment (clipped). A ratio out of
+        bounds says the plain step it was taken against is stale as much as that it is an outlier: below 0.8 (a
+        synchronous step over several positions is never cheaper than a pipelined plain one) the machine has
+        sped up, above ``clip`` times the calibrated ratio it has slowed down; either way the plain step is timed
+        again (``plain_due``)."""
         if n <= 1:
             self.observe_plain(seconds)
             return
         ratio = seconds / self.plain_seconds()
         prior = self.prior.ratio(self.bucket, n) if self.prior else None
-        ratio = min(ratio, self.clip * (prior if prior is not None else n))
+        top = self.clip * (prior if prior is not None else n)
+        self.stale = self.stale or not 0.8 <= ratio <= top
+        ratio = min(max(ratio, 1.0), top)
         row = self.samples.setdefault(self.bucket, {})
         row.setdefault(n, deque(maxlen=self.window)).append((self.step, ratio))
+        self._memo.clear()
 
     def observe_draft(self, seconds_per_step: float) -> None:
         self.drafts.append((self.step, min(seconds_per_step / self.plain_seconds(), self.clip)))
+        self._memo.clear()
 
     # ---- estimates -------------------------------------------------------------------------------------
+    @property
+    def plain_due(self) -> bool:
+        """The plain step has not been timed lately in this bucket: take a few plain steps to measure it, since
+        every ratio is measured against it (an engine that always drafted would otherwise price its steps
+        against a plain step of another time, a busy machine's or an idle one's)."""
+        latest = max((s for s, _ in self.plains.get(self.bucket, ())), default=0)
+        return self.stale or self.step - latest > self.max_age // 2
+
     def plain_seconds(self) -> float:
+        return self._memoized(("plain",), self._plain_seconds)
+
+    def _plain_seconds(self) -> float:
         """The plain step now: its fresh measurements in this bucket, else the nearest bucket's (fresh before
         stale), else the profile's. Its absolute value only scales the others: decisions compare ratios."""
         here = self.bucket
@@ -167,8 +197,9 @@ class StepCosts:
 
     def ratio(self, n: int) -> float:
         """A verification of ``n`` positions in plain steps (1 for the plain step itself)."""
-        if n <= 1:
-            return 1.0
+        return 1.0 if n <= 1 else self._memoized(("ratio", n), lambda: self._ratio(n))
+
+    def _ratio(self, n: int) -> float:
         measured = self._measured()
         if n in measured:
             return measured[n]
@@ -198,6 +229,10 @@ class StepCosts:
             ratio = self.draft_fraction
         return self.plain_seconds() * ratio
 
+    def calibrate(self, prior: CostProfile) -> None:
+        self.prior = prior
+        self._memo.clear()
+
     @property
     def calibrated(self) -> bool:
         return self.prior is not None and bool(self.prior.ratios)
@@ -210,12 +245,20 @@ class StepCosts:
             {b: dict(row) for b, row in self.prior.ratios.items()} if self.prior else {},
             self.prior.draft if self.prior else None,
         )
+        # Each refinement moves a value halfway (geometrically) toward what was measured, so what one session
+        # saw (a slowdown that passed, say) shifts the profile but cannot replace it.
         for b, samples in self.plains.items():
-            out.plain[b] = statistics.median(v for _, v in samples)
+            if fresh := self._fresh(samples):
+                out.plain[b] = _blend(out.plain.get(b), statistics.median(fresh))
         for b, row in self.samples.items():
             for n, samples in row.items():
                 if len(samples) >= 3:
-                    out.ratios.setdefault(b, {})[n] = statistics.median(v for _, v in samples)
+                    measured = statistics.median(v for _, v in samples)
+                    out.ratios.setdefault(b, {})[n] = _blend(out.ratios.get(b, {}).get(n), measured)
         if len(self.drafts) >= 3:
-            out.draft = statistics.median(v for _, v in self.drafts)
+            out.draft = _blend(out.draft, statistics.median(v for _, v in self.drafts))
         return out
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else (old * new) ** 0.5

@@ -29,7 +29,7 @@ class SpecSettings:
     max_draft: int = 8  # most tokens drafted per step
     width: int = 1  # candidates at the first draft position
     plain_stretches: bool = True  # False: one synchronous plain step at a time where no draft pays (an ablation)
-    explore: float = 0.02  # the share of decoding time probes may spend (0: none)
+    explore: float = 0.01  # the share of decoding time probes may spend (0: none)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -63,6 +63,9 @@ class TreeBuilder:
         if limit <= 0:
             self.status = "plain"
             return tree
+        if self.settings.policy == "cost" and self.planner.costs.plain_due:
+            self.status = "plain"  # a plain stretch measures the plain step every ratio is taken against
+            return tree
         request = replace(request, limit=limit, width=self.settings.width)
         # Sampling: whether a sampled draft is verified must not depend on the token drawn (its own probability,
         # or meeting another drafter's token), or it would be tested against a law it was not drawn from; so
@@ -91,6 +94,8 @@ class TreeBuilder:
         """Whether a step after ``context[-1]`` would draft or probe: lookup's proposals worth verifying, the fast
         stream expected to pay, or a probe due and affordable (``build``'s decisions, without running the fast
         stream)."""
+        if self.planner.costs.plain_due:  # stay until the plain step has been timed again
+            return False
         tree = DraftTree.root(context[-1])
         if self.lookup is not None:
             self.lookup.propose(tree, DraftRequest(None, context, limit, s, eos_ids, self.settings.width))

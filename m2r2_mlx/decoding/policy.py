@@ -75,9 +75,17 @@ class Acceptance:
             c[1] += 1
 
     def tick(self) -> None:
+        self._scale(self.decay)
+
+    def new_text(self, keep: float = 0.25) -> None:
+        """A new answer is new text: what earlier answers taught counts for ``keep`` of its weight, a prior
+        rather than a verdict, so a drafter that failed on one answer is tried early on the next."""
+        self._scale(keep)
+
+    def _scale(self, factor: float) -> None:
         for c in self.counts.values():
-            c[0] *= self.decay
-            c[1] *= self.decay
+            c[0] *= factor
+            c[1] *= factor
 
 
 class Planner:
@@ -99,19 +107,23 @@ class Planner:
 
     def select(self, tree: DraftTree) -> tuple[list[int], float, float]:
         """The nodes worth verifying (root first), the tokens they are expected to yield and the verification's
-        seconds: nodes join in order of pi while each raises tokens per second (a parent always before its
-        children). Time already spent drafting is spent either way, so it does not count."""
+        seconds. Nodes are taken in order of pi (a parent always before its children, its pi being at least
+        theirs), and the prefix of that order with the most tokens per second is kept: a chain whose first
+        proposal alone would not pay for the step can pay as a whole, since its deeper proposals, once the first
+        is accepted, are likely (lookup copying a span). Time already spent drafting is spent either way, so it
+        does not count."""
         pi = self.reach(tree)
-        chosen, tokens, seconds = [0], 1.0, self.costs.verify_cost(1)
-        for node in sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i])):
-            if len(chosen) > self.max_nodes:
-                break
-            extra = self.costs.extra(len(chosen))
-            if tree.parents[node] in chosen and pi[node] * seconds > tokens * extra:
-                chosen.append(node)
-                tokens += pi[node]
-                seconds += extra
-        return sorted(chosen), tokens, seconds
+        order = sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i]))[: self.max_nodes]
+        tokens, seconds = 1.0, self.costs.verify_cost(1)
+        best, best_rate = 1, tokens / seconds
+        for n, node in enumerate(order, start=1):
+            seconds += self.costs.extra(n)
+            tokens += pi[node]
+            if tokens / seconds > best_rate:
+                best, best_rate, best_tokens, best_seconds = n + 1, tokens / seconds, tokens, seconds
+        if best == 1:
+            return [0], 1.0, self.costs.verify_cost(1)
+        return sorted([0, *order[: best - 1]]), best_tokens, best_seconds
 
     def fast_pays(self, tree: DraftTree, anchor: int, kind: str, limit: int) -> bool:
         """Whether running the fast stream after node ``anchor`` (its chain drafted one step at a time) is expected
@@ -148,7 +160,7 @@ class Exploration:
     (and the costs of sizes not verified lately). Every step earns ``share`` of its seconds; a probe spends what it
     cost beyond a plain step. The budget holds at most ``cap`` plain steps, so a long run does not bank probes."""
 
-    share: float = 0.02
+    share: float = 0.01
     cap: float = 4.0  # plain steps
     credit: float = 0.0  # seconds
     since: dict[str, int] = field(default_factory=dict)  # drafter kind -> steps since it was last verified

@@ -96,6 +96,7 @@ class Speculator:
         cache, logits, events = start_decoding(
             self.model, self.tokenizer, list(prompt), cache, generation, self.context_length, self.keeps_states
         )
+        self.acceptance.new_text()
         y = next_token(logits, s, cache)
         ev = events.event(y)
         yield ev
@@ -131,8 +132,8 @@ class Speculator:
                 ev = events.event(y, plan=plan)
                 yield ev
         finally:
-            if self.calibration is not None and cost:
-                self.calibration.refine(self.costs.profile(), force=bool(ev.finish_reason))
+            if self.calibration is not None and cost:  # also after a cancelled answer: what it measured holds
+                self.calibration.refine(self.costs.profile())
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def _account(self, n: int, seconds: float) -> None:
@@ -162,7 +163,7 @@ class Speculator:
     def _calibrate(self, cache: PromptCache, y: int) -> None:
         """Without a machine profile: time forwards of each size now, on this answer's cache (left as it was),
         so that the first steps already weigh drafting against what it costs here."""
-        self.costs.prior = measure_profile(cache, y)
+        self.costs.calibrate(measure_profile(cache, y))
 
     # ---- plain stretches ---------------------------------------------------------------------------------
     def _plain_stretch(self, cache: PromptCache, y: int, events, s: Sampling) -> Iterator[TokenEvent]:

@@ -1,0 +1,119 @@
+"""The speculative engine keeps paying for a whole session (issue 31): after answers where drafting does not pay,
+and after a transient slowdown, it drafts again as soon as the text makes it pay; output stays plain greedy's."""
+
+from __future__ import annotations
+
+import time
+
+import m2r2_mlx.decoding.calibration as calibration
+from m2r2_mlx.decoding.chat import ChatSession
+from m2r2_mlx.decoding.config import GenerationConfig
+from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.stats import AnswerStats
+
+import pytest
+
+# answers on which prompt lookup's drafts fail (lookup alone: 1.00-1.12 tokens per step on each, 48 tokens)
+NOVEL = [
+    "Write a short story about a lighthouse keeper who finds a map.",
+    "Write a letter from a cat to its owner about breakfast.",
+    "Give advice to a student starting their first job.",
+    "What would you pack for a week of hiking in Norway?",
+    "Tell me three surprising facts about octopuses.",
+    "Write a product description for a solar-powered umbrella.",
+    "Describe the smell of rain to someone who has never smelled it.",
+    "Why do people enjoy horror movies?",
+]
+PASSAGES = [
+    "The committee met on Tuesday to review the budget. It approved the new library wing, postponed the road "
+    "repairs until spring, and asked the treasurer for a report on the pension fund by the end of the month.",
+    "To reset the router, hold the small button on the back for ten seconds until the lights blink twice. Wait "
+    "two minutes, then connect to the network named HOME-5G with the password printed on the label.",
+]
+COPYING = [f"Repeat the following text exactly, word for word:\n\n{p}" for p in PASSAGES]
+GEN = GenerationConfig(48)
+
+
+def run(lm, decode, prompt: str) -> tuple[list[int], AnswerStats, int | None]:
+    """One answer in a new conversation: its tokens, its stats, and the index of its first drafted token."""
+    stats, tokens, first = AnswerStats(), [], None
+    for ev in ChatSession(lm, decoder=decode).send(prompt, GEN):
+        stats.add(ev)
+        tokens.append(ev.token)
+        first = ev.index if first is None and ev.drafted else first
+    return tokens, stats, first
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_calibration(tmp_path_factory):
+    """The machine's step-cost file of these tests' own: an engine refines it after each answer, slowed ones too."""
+    home = tmp_path_factory.mktemp("m2r2-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "cache_home", lambda: home)
+        yield
+
+
+@pytest.fixture(scope="module")
+def plain_answers(lm):
+    plain = make_decoder(lm, "plain")
+    return {p: run(lm, plain, p)[0] for p in NOVEL + COPYING}
+
+
+@pytest.fixture(scope="module")
+def fresh_per_step(lm):
+    """Tokens per step of a fresh engine on each copying answer."""
+    return {p: run(lm, make_decoder(lm, "speculative"), p)[1].accepted_per_step for p in COPYING}
+
+
+def _copying_phase(lm, engine, plain_answers, fresh_per_step, within: int) -> None:
+    for prompt in COPYING:
+        tokens, stats, first = run(lm, engine, prompt)
+        assert tokens == plain_answers[prompt]
+        assert first is not None and first <= within, f"first draft at token {first}"
+        assert stats.accepted_per_step >= 0.8 * fresh_per_step[prompt], (stats.accepted_per_step, fresh_per_step)
+
+
+@pytest.mark.slow
+def test_a_long_session_drafts_again_where_the_text_makes_it_pay(lm, plain_answers, fresh_per_step):
+    engine = make_decoder(lm, "speculative")  # one engine for the whole session, as a chat keeps one
+    for prompt in NOVEL:
+        tokens, stats, _ = run(lm, engine, prompt)
+        assert tokens == plain_answers[prompt]
+    _copying_phase(lm, engine, plain_answers, fresh_per_step, within=32)
+
+
+@pytest.mark.slow
+def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, fresh_per_step, monkeypatch):
+    """Every forward delayed by 0.25 s during the first answers (a busy machine: the previous engine priced
+    verification by what it cost then, and never verified a draft again), then normal speed: drafting resumes
+    within 64 tokens of the slowdown's end."""
+    engine = make_decoder(lm, "speculative")
+    forward, forward_tree = PromptCache.forward, PromptCache.forward_tree
+
+    def slow_forward(self, tokens):
+        time.sleep(0.25)
+        return forward(self, tokens)
+
+    def slow_tree(self, tree):
+        if not tree.is_chain:  # (a chain runs through forward)
+            time.sleep(0.25)
+        return forward_tree(self, tree)
+
+    monkeypatch.setattr(PromptCache, "forward", slow_forward)
+    monkeypatch.setattr(PromptCache, "forward_tree", slow_tree)
+    for prompt in NOVEL[:2] + COPYING[:1]:
+        tokens, _, _ = run(lm, engine, prompt)
+        assert tokens == plain_answers[prompt]
+    monkeypatch.setattr(PromptCache, "forward", forward)
+    monkeypatch.setattr(PromptCache, "forward_tree", forward_tree)
+    since = 0  # tokens decoded since the slowdown ended, up to the first drafted one
+    for prompt in NOVEL[2:4] + COPYING:
+        tokens, stats, first = run(lm, engine, prompt)
+        assert tokens == plain_answers[prompt]
+        if first is not None:
+            since += first
+            break
+        since += len(tokens)
+    assert first is not None and since <= 64, f"no draft for {since} tokens after the slowdown"
+    _copying_phase(lm, engine, plain_answers, fresh_per_step, within=32)
