@@ -212,9 +212,11 @@ def test_bench_unknown_profile_is_one_line():
 
 
 def _decode(folder, store, budget, predictor=None, planned=True, trace=None):
-    """(tokens, decode seconds, stats, planner decisions, the run's trace) at ``budget`` on an emulated link."""
+    """(tokens, decode seconds, stats, planner decisions, the run's trace, one transfer's seconds) at ``budget`` on
+    an emulated link (one expert: 2.35 ms, the macbook profile's ratio over a 1 ms layer)."""
     lm = load_model(str(folder), tokenizer=False)
-    cache = offload_experts(lm.model, store, budget, link=link_for(2.35, store.expert_bytes(), 1.0))
+    link = link_for(2.35, store.expert_bytes(), 1.0)
+    cache = offload_experts(lm.model, store, budget, link=link)
     if predictor is not None:
         Prefetcher(cache)
     planner = PrefetchPlanner().attach(cache) if planned else None
@@ -223,20 +225,45 @@ def _decode(folder, store, budget, predictor=None, planned=True, trace=None):
     cache.trace = {} if trace else None
     tokens, seconds = greedy(lm.model, np.load(folder / "heldout.npy")[:24], 16, on_prefilled=cache.reset)
     cache.close()
-    return tokens, seconds, cache.stats, planner.decisions if planner else None, cache.trace
+    t = link.min_seconds(store.expert_bytes())
+    return tokens, seconds, cache.stats, planner.decisions if planner else None, cache.trace, t
+
+
+def modelled_s(compute_s: float, stats, t: float) -> float:
+    """Decode time in the link model: compute (LRU's, the same for every run: the predictors' own work aside) plus
+    one whole transfer for every load the pass waited on (on demand, or a prefetch still in flight): deterministic
+    counts, not the shared machine's wall time."""
+    return compute_s + (stats.misses + stats.total("late_prefetches")) * t
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [0.25, 0.375, 0.5])
-def test_the_planner_makes_random_predictions_cost_nothing_and_true_routes_pay(folder, store, budget):
-    """Random experts: the loader issues nothing, so the cache is LRU (same misses, same bytes over the link; wall
-    time compared loosely, the machine is shared). True routes: loaded ahead, most of LRU's stalls hidden."""
-    lru_tokens, lru_s, lru, _, trace = _decode(folder, store, budget, planned=False, trace=True)
-    tokens, seconds, s, decisions, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
+def test_with_random_predictions_the_planner_is_lru_within_3_percent(folder, store, budget):
+    """Random experts: the loader issues (almost) nothing, so the cache is LRU: same misses, same bytes over the
+    link, throughput in the link model within 3% of LRU's (wall time compared loosely: the machine is shared)."""
+    lru_tokens, lru_s, lru, _, _, t = _decode(folder, store, budget, planned=False)
+    tokens, seconds, s, decisions, _, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
     assert tokens == lru_tokens
     assert decisions["loaded"] <= 0.01 * decisions["considered"] and s.total("prefetch_loads") == decisions["loaded"]
     assert s.misses == lru.misses and s.bytes_moved == lru.bytes_moved
+    compute = lru_s - lru.stall_s
+    assert modelled_s(compute, lru, t) / modelled_s(compute, s, t) >= 0.97
     assert seconds < 1.5 * lru_s
-    tokens, _, s, decisions, _ = _decode(folder, store, budget, Oracle(trace))
-    assert tokens == lru_tokens and decisions["loaded"] > 0
-    assert s.misses + s.total("prefetch_loads") <= lru.misses and s.stall_s < 0.6 * lru.stall_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.25, 0.375, 0.5])
+def test_true_routes_planned_hide_most_of_lrus_loads(folder, store, budget):
+    """The oracle (true routes, two layers ahead, into the next token's first layers) through the planner: loads
+    move ahead of the pass, none wasted, no more of them than LRU makes; most of LRU's on-demand loads are gone.
+    What is left: the first layer at 25% (2 slots, top-2: both hold the current token's experts, which a prefetch
+    never evicts), the planner's first steps (its calibration starts at a 25% prior) and loads arriving late
+    (two layers of lead, 1 ms each, for 2.35 ms transfers queued behind each other)."""
+    lru_tokens, lru_s, lru, _, trace, t = _decode(folder, store, budget, planned=False, trace=True)
+    tokens, _, s, decisions, _, _ = _decode(folder, store, budget, Oracle(trace, lookahead=2))
+    assert tokens == lru_tokens and decisions["loaded"] > 0 and s.total("prefetch_wasted") == 0
+    assert s.misses + s.total("prefetch_loads") <= lru.misses
+    assert s.misses <= 0.65 * lru.misses
+    compute = lru_s - lru.stall_s
+    ceiling = modelled_s(compute, lru, t) / max(compute, lru.misses * t)
+    assert modelled_s(compute, lru, t) / (compute + s.stall_s) > 1.0 and ceiling > 1.0

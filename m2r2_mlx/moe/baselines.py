@@ -117,7 +117,11 @@ class ShuffledControl(PreGating):
 
 
 class Oracle(LookaheadPredictor):
-    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run."""
+    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run.
+
+    Unlike the other predictors it also looks past the last layer, into the next step's first layers (the true
+    routes of the next token are known to it): so no layer is left to load on demand, and it bounds what any
+    predictor can hide."""
 
     def __init__(self, trace: dict[tuple[int, int], list[int]], lookahead: int = 1):
         super().__init__(lookahead)
@@ -125,3 +129,10 @@ class Oracle(LookaheadPredictor):
 
     def predict(self, layer: int, x: mx.array) -> list[int]:
         return list(self.trace.get((self.cache.step, layer), []))
+
+    def on_layer(self, layer: int, x: mx.array) -> None:
+        cache, n = self.cache, len(self.cache.layers)
+        for j in range(cache.ordinal(layer) + 1, cache.ordinal(layer) + 1 + self.lookahead):
+            step, target = cache.step + j // n, cache.layers[j % n]
+            if experts := self.trace.get((step, target)):
+                cache.prefetch(target, experts, step=step)
