@@ -24,7 +24,8 @@ SEQ_LEN=${SEQ_LEN:-256}
 BATCH=${BATCH:-64}                 # rows per step, over all processes
 STEPS=${STEPS:-2000}
 LR=${LR:-2e-3}
-RANK=${RANK:-64}
+RANK=${RANK:-256,64,64,64}   # the packaged recipe: the drafting interval wider
+CONTEXT=${CONTEXT:-1}        # the first interval reads the previous position's final state (--context-feature)
 GATES=${GATES:-6,12,18,24}
 NPROC=${NPROC:-1}
 DEVICE=${DEVICE:-}                 # cpu for the rehearsal; default: cuda when there is one
@@ -34,7 +35,7 @@ stage() { echo "== $(date -u +%FT%TZ) $*"; }
 device=${DEVICE:+--device $DEVICE}
 
 if compgen -G "$JOB/wheels/*.whl" > /dev/null && ! $PY -c "import gguf" 2> /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --target "$RUN/site" "$JOB"/wheels/*.whl
+  [ -d "$RUN/site/gguf" ] || $PY -m pip install -q --no-index --no-deps --target "$RUN/site" "$JOB"/wheels/*.whl
   export PYTHONPATH=$RUN/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -60,7 +61,7 @@ else
   launch=("$PY" -m m2r2_torch.train)
   [ "$NPROC" -gt 1 ] && launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m m2r2_torch.train)
   "${launch[@]}" --model "$RUN/base" --base-name smollm2 --data "$RUN/data/data.npy" --seq-len "$SEQ_LEN" \
-    --batch-size "$BATCH" --steps "$STEPS" --lr "$LR" --rank "$RANK" --gates "$GATES" --eval-rows 64 \
+    --batch-size "$BATCH" --steps "$STEPS" --lr "$LR" --rank "$RANK" --gates "$GATES" $([ "$CONTEXT" = 1 ] && echo --context-feature) --eval-rows 64 \
     --checkpoint-every 100 -o "$RUN/adapters" $again $device ${MAX_MINUTES:+--max-minutes $MAX_MINUTES}
 fi
 stage "6 done"

@@ -61,30 +61,33 @@ def plain_answers(lm):
 
 
 @pytest.fixture(scope="module")
-def fresh_per_step(lm):
-    """Tokens per step of a fresh engine on each copying answer."""
-    return {p: run(lm, make_decoder(lm, "speculative"), p)[1].accepted_per_step for p in COPYING}
+def fresh_steps(lm):
+    """Decoding steps a fresh engine takes on each copying answer."""
+    return {p: len(run(lm, make_decoder(lm, "speculative"), p)[1].accept_lengths) for p in COPYING}
 
 
-def _copying_phase(lm, engine, plain_answers, fresh_per_step, within: int) -> None:
+def _copying_phase(lm, engine, plain_answers, fresh_steps, within: int) -> None:
     for prompt in COPYING:
         tokens, stats, first = run(lm, engine, prompt)
         assert tokens == plain_answers[prompt]
         assert first is not None and first <= within, f"first draft at token {first}"
-        assert stats.accepted_per_step >= 0.8 * fresh_per_step[prompt], (stats.accepted_per_step, fresh_per_step)
+        # a copied passage of ~44 tokens takes a fresh engine ~5 steps (plain decoding: 44); one step more or
+        # less moves tokens per step by 15-20%, so the bound counts steps
+        steps = len(stats.accept_lengths)
+        assert steps <= fresh_steps[prompt] + 2, (stats.accept_lengths, fresh_steps)
 
 
 @pytest.mark.slow
-def test_a_long_session_drafts_again_where_the_text_makes_it_pay(lm, plain_answers, fresh_per_step):
+def test_a_long_session_drafts_again_where_the_text_makes_it_pay(lm, plain_answers, fresh_steps):
     engine = make_decoder(lm, "speculative")  # one engine for the whole session, as a chat keeps one
     for prompt in NOVEL:
         tokens, stats, _ = run(lm, engine, prompt)
         assert tokens == plain_answers[prompt]
-    _copying_phase(lm, engine, plain_answers, fresh_per_step, within=32)
+    _copying_phase(lm, engine, plain_answers, fresh_steps, within=32)
 
 
 @pytest.mark.slow
-def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, fresh_per_step, monkeypatch):
+def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, fresh_steps, monkeypatch):
     """Every forward delayed by 0.25 s during the first answers (a busy machine: the previous engine priced
     verification by what it cost then, and never verified a draft again), then normal speed: drafting resumes
     within 64 tokens of the slowdown's end."""
@@ -116,4 +119,4 @@ def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, fresh_pe
             break
         since += len(tokens)
     assert first is not None and since <= 64, f"no draft for {since} tokens after the slowdown"
-    _copying_phase(lm, engine, plain_answers, fresh_per_step, within=32)
+    _copying_phase(lm, engine, plain_answers, fresh_steps, within=32)

@@ -64,6 +64,16 @@ def test_sizes_not_measured_read_the_calibrated_curve_scaled_by_those_that_were(
     assert math.isclose(costs.ratio(4), 1.12 * 1.5)
 
 
+def test_a_context_the_calibration_never_saw_is_priced_from_its_first_verifications():
+    costs = StepCosts(PROFILE)  # calibrated at a short context (bucket 0)
+    costs.context = 1500
+    costs.observe_plain(0.060)
+    for n in (3, 5, 7, 9, 11):  # one verification of each size, each 1.6x what the calibration says
+        costs.observe_verify(n, 0.060 * 1.6 * PROFILE.ratio(0, n))
+        costs.tick()
+    assert math.isclose(costs.ratio(16), 1.6 * 1.7)  # no size was measured twice, and yet
+
+
 def test_without_a_profile_estimates_come_from_what_was_measured():
     costs = StepCosts(draft_fraction=0.2)
     steady(costs, 0.050, {8: 0.085})

@@ -205,11 +205,16 @@ class StepCosts:
             return measured[n]
         prior = self.prior.ratio(self.bucket, n) if self.prior else None
         if prior is not None:
-            # the calibrated curve, scaled by how the fresh sizes stand against it (a whole step pays for more
-            # than the bare forward calibration timed)
-            scale = [m / self.prior.ratio(self.bucket, k) for k, m in measured.items()]
-            return prior * min(max(statistics.median(scale), 0.5), 2.0) if scale else prior
+            return prior * self._memoized(("scale",), self._scale)
         return _interpolate({1: 1.0, **measured}, n)
+
+    def _scale(self) -> float:
+        """How this bucket's fresh samples, every size's, stand against the calibrated curve: a whole step pays
+        for more than the bare forward calibration timed, and a bucket the calibration never saw (a long
+        context) is priced from its first verifications on, whatever their sizes."""
+        row = self.samples.get(self.bucket, {})
+        scale = [v / self.prior.ratio(self.bucket, k) for k, s in row.items() for v in self._fresh(s)]
+        return min(max(statistics.median(scale), 0.5), self.clip) if scale else 1.0
 
     def verify_cost(self, n: int) -> float:
         return self.plain_seconds() * self.ratio(n)
