@@ -238,6 +238,8 @@ def measure(config: MoEBenchConfig, method: str, budget: float, store, link, pro
         )
         if fast:
             row["fast_layer_passes_per_token"] = passes / max(1, stats.tokens)
+        if cache.planner is not None and cache.planner.governor is not None:
+            row["governor"] = cache.planner.governor.summary()  # the predictor's measured cost and savings
         cache.close()
     return row
 

@@ -50,6 +50,7 @@ class ExpertCache:
         self._maps: dict[int, mx.array] = {}
         self._dirty: set[int] = set()
         self._unused_prefetch: dict[int, set[int]] = {l: set() for l in self.layers}
+        self._evicted_ahead: dict[int, set[int]] = {l: set() for l in self.layers}  # evicted by a prefetch, not back
         self._protected: tuple[int | None, set[int]] = (None, set())
         self._predictions: dict[tuple[int, int], set[int]] = {}
         self.routers: dict[int, Callable[[mx.array], mx.array]] = {}  # filled by offload_experts
@@ -198,6 +199,7 @@ class ExpertCache:
                         st.prefetch_hits += 1
                 else:
                     st.misses += 1
+                    st.evicted_ahead_missed += e in self._evicted_ahead[layer]
                     st.bytes_on_demand += self.store.expert_bytes(layer)
                     self._install(layer, e, self.fetch(layer, e))
                 self.policies[layer].used(e)
@@ -317,6 +319,8 @@ class ExpertCache:
                 return False
             slot = int(slot_of[victim])
             slot_of[victim] = -1
+            if prefetched:
+                self._evicted_ahead[layer].add(victim)
             if victim in self._unused_prefetch[layer]:
                 self._unused_prefetch[layer].discard(victim)
                 self.stats.layer(layer).prefetch_wasted += 1
@@ -324,6 +328,7 @@ class ExpertCache:
         for name, a in self.store.to_mlx(layer, arrays).items():
             slots[name][slot] = a  # in place: the slot tensor keeps its shape and its buffer
         owner[slot], slot_of[expert] = expert, slot
+        self._evicted_ahead[layer].discard(expert)
         self.policies[layer].inserted(expert)
         if prefetched:
             self._unused_prefetch[layer].add(expert)

@@ -33,6 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from .governor import PredictorGovernor
+
 if TYPE_CHECKING:
     from .cache import ExpertCache
 
@@ -53,6 +55,7 @@ class PlannerConfig:
     min_util: float = 0.1  # the link's busy share is read as at least this
     util_smoothing: float = 0.1  # weight of the newest step in the link's busy share
     probe_every: int = 8  # a layer whose predictions never pay is still predicted every this many decode steps
+    governed: bool = True  # the predictor runs only while its measured savings exceed its cost (governor.py)
 
 
 class Rates:
@@ -102,6 +105,7 @@ class PrefetchPlanner:
         self._dist: dict[tuple[int, int], Sequence[float]] = {}  # (step, layer) -> predicted probability per expert
         self._util, self._clock = 1.0, None  # the link's busy share (pessimistic until measured)
         self.decisions = {"considered": 0, "loaded": 0}
+        self.governor = PredictorGovernor() if config.governed else None  # does the predictor pay for its work
 
     def attach(self, cache: ExpertCache) -> PrefetchPlanner:
         self.cache = cache
@@ -120,6 +124,8 @@ class PrefetchPlanner:
         cache, used = self.cache, set(needed)
         if layer == cache.layers[0] and tokens == 1:
             self._tick()
+        elif tokens != 1 and self.governor is not None:
+            self.governor.interrupt()
         for expert, keys in self._pending.pop((step, layer), ()):
             self.hits.observe(keys, expert in used)
         if tokens == 1:
@@ -142,6 +148,8 @@ class PrefetchPlanner:
         step = self.cache.step
         self._pending = {k: v for k, v in self._pending.items() if k[0] >= step}
         self._dist = {k: v for k, v in self._dist.items() if k[0] >= step}
+        if self.governor is not None:
+            self.governor.tick(self.cache)
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -187,7 +195,10 @@ class PrefetchPlanner:
         """Whether a predictor should predict ``layer`` at this step (its own work costs time): not where even
         its best candidate would pay for a load on average (means, not the bounds loads are decided on: a layer is
         dropped only where its predictions clearly do not pay); every ``probe_every`` steps
-        regardless, so the estimates keep up with the text."""
+        regardless, so the estimates keep up with the text. Nothing at all while the predictor's own work does
+        not pay (the governor's measure; a prompt's pass never loads ahead)."""
+        if self.governor is not None and (not self.governor.active or self.cache.tokens_now != 1):
+            return False
         if self.cache.step % self.config.probe_every == 0 or self.cache.tokens_now != 1:
             return True
         p = self.hits.posterior((("top", layer), ("top",)))[0]
