@@ -60,6 +60,11 @@ class PredictorGovernor:
         self._probe = False
         self._since_off = 0
 
+    @property
+    def probing(self) -> bool:
+        """The predictor runs in this window as a probe (every layer predicted, to measure it)."""
+        return self.active and self._probe
+
     def interrupt(self) -> None:
         """A prompt's pass ran: the window is not a decode step's; it is not measured."""
         self._mark = None

@@ -128,7 +128,7 @@ class PrefetchPlanner:
             self.governor.interrupt()
         for expert, keys in self._pending.pop((step, layer), ()):
             self.hits.observe(keys, expert in used)
-        if tokens == 1:
+        if tokens == 1 and (self.governor is None or self.governor.active):  # off: no loads ahead, no evictions
             named, dist = self._named(layer), self._dist.get((step, layer))
             for rank, e in enumerate(e for e in self._eviction_order(layer, dist) if e not in named):
                 self.reuse.observe(self._reuse_keys(layer, rank, dist is not None), e in used)
@@ -136,9 +136,11 @@ class PrefetchPlanner:
         self._used_now[layer] = (step, used)
 
     def _tick(self) -> None:
-        """Once per decode step: counts decay, the link's busy share is measured over the last step."""
-        self.hits.tick()
-        self.reuse.tick()
+        """Once per decode step: counts decay (they stand still while the predictor is off), the link's busy share
+        is measured over the last step."""
+        if self.governor is None or self.governor.active:
+            self.hits.tick()
+            self.reuse.tick()
         link, now = self.cache.link, time.perf_counter()
         if self._clock is not None and now > self._clock[0]:
             share = (link.busy_s - self._clock[1]) / (now - self._clock[0])
@@ -197,8 +199,11 @@ class PrefetchPlanner:
         dropped only where its predictions clearly do not pay); every ``probe_every`` steps
         regardless, so the estimates keep up with the text. Nothing at all while the predictor's own work does
         not pay (the governor's measure; a prompt's pass never loads ahead)."""
-        if self.governor is not None and (not self.governor.active or self.cache.tokens_now != 1):
-            return False
+        if self.governor is not None:
+            if not self.governor.active or self.cache.tokens_now != 1:
+                return False
+            if self.governor.probing:
+                return True  # the governor's probe measures every layer's predictions
         if self.cache.step % self.config.probe_every == 0 or self.cache.tokens_now != 1:
             return True
         p = self.hits.posterior((("top", layer), ("top",)))[0]
