@@ -14,6 +14,7 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from m2r2_mlx.core.integrity import verify_if_recorded
 from m2r2_mlx.errors import M2R2Error
 
 import mlx.core as mx
@@ -54,6 +55,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise M2R2Error(f"checkpoint {path} not found; check the path")
     file = _pick_file(path) if path.is_dir() else path
     ckpt = Checkpoint(path=file, folder=file.parent)
+    verify_if_recorded(ckpt.folder)
     if file.name.endswith(".index.json"):
         _read_index(file, ckpt)
     else:

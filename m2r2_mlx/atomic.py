@@ -37,17 +37,25 @@ def atomic_folder(dest: str | Path, keep: Sequence[str] = ()) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would make the finished folder private
+    old, aside = dest.with_name(f".{dest.name}.old-{os.getpid()}"), False
     try:
         yield tmp
         for name in keep:
             if (dest / name).exists() and not (tmp / name).exists():
                 os.replace(dest / name, tmp / name)
+        # the old folder is renamed aside, not deleted in place: a process killed here leaves either the old
+        # folder or the new one at ``dest``, never a half-deleted one (checksums.exclusive removes the aside)
         if dest.exists():
-            shutil.rmtree(dest)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            aside = True
         os.replace(tmp, dest)
     except BaseException:
+        if aside and not dest.exists():
+            os.replace(old, dest)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _atomic_write(path: str | Path, write, mode: str) -> Path:

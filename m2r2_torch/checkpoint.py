@@ -9,6 +9,7 @@ from pathlib import Path
 from m2r2_mlx.atomic import atomic_folder
 from m2r2_mlx.core.config import ADAPTERS_FILE, AdapterMetrics, M2R2Config, even_gates
 from m2r2_mlx.core.draft_vocab import rank_tokens, save_draft_vocab
+from m2r2_mlx.core.integrity import record_hashes
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.training.config import TrainConfig
 from m2r2_mlx.training.data import DATA_CACHE, DISTILL_LOG, mask_path
@@ -106,6 +107,7 @@ def write_outputs(module: M2R2Adapters, cfg: M2R2Config, out: Path, rows: np.nda
     with atomic_folder(out / TORCH_DIR) as tmp:
         torch.save({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, tmp / TORCH_WEIGHTS)
         cfg.save(tmp)
+        record_hashes(tmp)
     tokens, cover = rank_tokens(rows, int(lm.config["vocab_size"]))
     try:
         from m2r2_mlx.models.registry import load_model

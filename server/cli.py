@@ -3,6 +3,7 @@
     m2r2-server                                         # the embedded SmolLM2-135M on http://127.0.0.1:8080/v1
     m2r2-server --mode speculative --port 8000          # speculative decoding unless a request asks otherwise
     m2r2-server --adapters owner/repo                   # Hub adapters; their base model is the model
+    M2R2_API_KEY=secret m2r2-server --host 0.0.0.0      # on the network: clients send Authorization: Bearer secret
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream": true for server-sent events),
 GET /v1/models, GET /health. A request picks its decoding with extra fields ("mode", "tau", "draft", ...);
@@ -12,7 +13,10 @@ the flags below are the defaults. Details: docs/server.md.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+import socket
 import sys
 from functools import partial
 
@@ -21,12 +25,13 @@ from m2r2_mlx.decoding.decoders import MODES, resolve_for_mode
 from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
-from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
+from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help, load_model, resolve_model_path
 
 from .handler import Server
 from .worker import ModelWorker
 
 log = logging.getLogger("m2r2-server")
+KEY_ENV = "M2R2_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: "
+        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: "
         f"the base the --adapters name, else {DEFAULT_MODEL}, embedded)",
     )
     p.add_argument(
@@ -49,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the embedded model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${KEY_ENV}, else none; "
+        f"the variable keeps the key out of the process list)",
+    )
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
     p.add_argument(
         "--max-queue",
@@ -66,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` names is this machine's own (127.0.0.0/8, ::1): no one else can connect."""
+    try:
+        infos = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    except (OSError, ValueError):
+        return False
+
+
 def _main() -> int:
     args = build_parser().parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -74,21 +95,32 @@ def _main() -> int:
         raise M2R2Error(f"--max-queue must be at least 1 (got {args.max_queue})")
     if not 0 <= args.port <= 65535:
         raise M2R2Error(f"--port must be in 0..65535 (got {args.port})")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise M2R2Error(f"the API key is empty; pass --api-key KEY (or set {KEY_ENV}) with a key, or neither")
+    if not api_key and not is_loopback(args.host):
+        print(
+            f"m2r2-server: warning: listening on {args.host} without an API key: anyone who can reach this port can "
+            f"use the model; set {KEY_ENV} (or pass --api-key KEY) to require one",
+            file=sys.stderr,
+            flush=True,
+        )
     # names first: a mode without adapters, or a bad name, fails before any download
     model, adapters = resolve_for_mode(args.model, args.adapters, args.mode)
     resolve_model_path(model)  # downloads or imports once, with progress, before the model thread starts
     worker = ModelWorker(partial(load_model, model), adapters, defaults, args.max_queue)
     lm = worker.start()
     try:
-        server = Server((args.host, args.port), worker, defaults, lm.name)
+        server = Server((args.host, args.port), worker, defaults, lm.name, api_key)
     except OSError as e:
         raise M2R2Error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
     host, port = server.server_address[:2]
     free = " and ".join(", ".join(n for n, m in MODES.items() if not m.needs_adapters).rsplit(", ", 1))
     modes = "all modes" if adapters else f"{free} (no adapters for this model)"
+    key = "; API key required" if api_key else ""
     print(
-        f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS) "
-        f"on http://{host}:{port}/v1",
+        f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS"
+        f"{key}) on http://{host}:{port}/v1",
         file=sys.stderr,
         flush=True,
     )

@@ -3,6 +3,7 @@ field), stop strings, and the completion, chunk, usage and error objects."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -33,9 +34,18 @@ UNSUPPORTED = {
 class RequestError(Exception):
     """A request the server refuses: HTTP ``status`` with OpenAI's error object."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        unread: bool = False,
+    ):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.unread = unread  # refused before its body was read: the connection closes after the answer
 
 
 @dataclass
@@ -52,26 +62,37 @@ class Request:
 
 
 def _is(value, kind: type) -> bool:
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:  # JSON's 1e999 parses as infinity, and Python's json reads NaN: neither is a setting
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` if it is Unicode text; JSON's \\ud800 escapes can carry lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape); send valid text", where
+        )
+    return text
 
 
 def _text(content, where: str) -> str:
     """A message's content as text: a string, or a list of text parts."""
     if isinstance(content, str):
-        return content
+        return _utf8(content, where)
     if isinstance(content, list):
         parts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise RequestError(f"{where}: only text content parts are supported", where)
-            parts.append(part["text"])
+            parts.append(_utf8(part["text"], where))
         return "".join(parts)
     raise RequestError(f"{where} must be a string or a list of text parts", where)
 
@@ -82,7 +103,7 @@ def _messages(body: dict) -> list[dict]:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise RequestError(f"messages[{i}] needs a role, one of: {', '.join(ROLES)}", f"messages[{i}].role")
         out.append({"role": ROLES[m["role"]], "content": _text(m.get("content") or "", f"messages[{i}].content")})
     return out
@@ -93,7 +114,7 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return prompt
+        return _utf8(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(_is(t, int) and t >= 0 for t in prompt):
         return prompt
     raise RequestError("'prompt' must be a non-empty string, or a list of token ids (one prompt per request)", "prompt")
@@ -104,7 +125,7 @@ def _stop(body: dict) -> list[str]:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in stop)):
         raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings", "stop")
-    return stop
+    return [_utf8(s, "stop") for s in stop]
 
 
 def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
@@ -212,5 +233,13 @@ def usage_chunk(req: Request, model: str, use: dict) -> dict:
     return {**_envelope(req, model, True), "choices": [], "usage": use}
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+MAX_MESSAGE = 500  # characters of an error message: one that quotes a request's value stays short
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    """OpenAI's error object."""
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 1] + "…"
+    if param is not None and len(param) > MAX_MESSAGE:
+        param = param[: MAX_MESSAGE - 1] + "…"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -58,6 +58,24 @@ class Job:
         self.request = request
         self.items: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
+        self.finished = False
+        self._lock = threading.Lock()
+
+    def cancel(self) -> bool:
+        """The HTTP side's word that the client has gone. True when the model thread had already finished the
+        job: then only the HTTP side can log the hang-up (else the model thread logs it, once)."""
+        with self._lock:
+            self.cancelled.set()
+            return self.finished
+
+    def finish(self, item: "Done | Failed") -> bool:
+        """The model thread's last item for the job; False (nothing queued) when its client has gone."""
+        with self._lock:
+            if self.cancelled.is_set():
+                return False
+            self.finished = True
+            self.items.put(item)
+            return True
 
 
 class ModelWorker:
@@ -99,18 +117,24 @@ class ModelWorker:
         self.ready.set()
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set():
+                log.info("request %s skipped: its client hung up while it waited", job.request.id)
                 continue
             try:
                 self._serve(job)
             except RequestError as e:
-                job.items.put(Failed(e))
+                self._fail(job, e)
             except M2R2Error as e:
-                job.items.put(Failed(RequestError(str(e))))
+                self._fail(job, RequestError(str(e)))
             except Exception as e:  # a bug: the request fails with a 500, the server goes on
                 log.error("request %s failed:\n%s", job.request.id, traceback.format_exc())
-                job.items.put(
-                    Failed(RequestError(f"internal error ({type(e).__name__}: {e})", status=500, kind="server_error"))
+                self._fail(
+                    job, RequestError(f"internal error ({type(e).__name__}: {e})", status=500, kind="server_error")
                 )
+
+    @staticmethod
+    def _fail(job: Job, error: RequestError) -> None:
+        if not job.finish(Failed(error)):
+            log.info("request %s failed after its client hung up (%s)", job.request.id, error.message)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def submit(self, request: Request) -> Job:
@@ -154,6 +178,7 @@ class ModelWorker:
         if req.kind == "chat":
             self.session.messages = req.messages
             return self.session.prompt_tokens()
+        self.session.messages = []  # a completion has no history: the list would grow by one answer per request
         if isinstance(req.prompt, list):
             vocab = int(self.lm.config.get("vocab_size") or 0)
             if vocab and max(req.prompt) >= vocab:
@@ -178,9 +203,8 @@ class ModelWorker:
                     break
         finally:
             stream.close()  # also when cancelled: the cache keeps only what was computed, and knows it
-        if job.cancelled.is_set():
-            log.info("request %s cancelled after %d tokens (client gone)", req.id, stats.tokens)
-            return
         mode = req.options.decode.mode
-        job.items.put(Done(finish or "length", stats, mode))
+        if not job.finish(Done(finish or "length", stats, mode)):
+            log.info("request %s cancelled after %d tokens: its client hung up", req.id, stats.tokens)
+            return
         log.info("request %s: %s, %s", req.id, mode, stats.summary())

@@ -72,9 +72,10 @@ def test_ruff_format_is_applied():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
 
 
-# first-party code: the engine, the PyTorch side, the apps, the build tools, the studies and the tests
-SOURCE_DIRS = ("m2r2_mlx", "m2r2_torch", "tui", "server", "convert", "bench", "tools", "experiments", "tests")
-APP_DIRS = ("m2r2_mlx", "m2r2_torch", "tui", "server", "convert", "bench", "tools")  # what the wheel installs
+# first-party code: the engine, the PyTorch side, the apps, the build tools (what the wheel installs), the studies
+# and the tests
+APP_DIRS = ("m2r2_mlx", "m2r2_torch", "tui", "server", "convert", "bench", "profiler", "tools")
+SOURCE_DIRS = (*APP_DIRS, "experiments", "tests")
 
 
 def sources(dirs=SOURCE_DIRS) -> list[Path]:

@@ -1,6 +1,7 @@
 """The MoE expert cache on tiny random olmoe and mixtral models: exact outputs, budgets, integrity."""
 
 import json
+import os
 import shutil
 import time
 
@@ -132,14 +133,23 @@ def test_truncated_expert_file_is_refused_at_open(stores, tmp_path):
         ExpertStore.open(folder)
 
 
+def _write_keeping_mtime(path, data: bytes) -> None:
+    """Alter a file as bit rot does: same size, same mtime, so the open's cheap check (sizes and mtimes against
+    the completion record) passes and only the expert store's own checks can tell. A normal write moves the mtime:
+    the open hashes the file and fails (tests/test_cache_integrity.py)."""
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_flipped_byte_is_detected_before_use(stores, tmp_path):
     folder = _copy(stores["olmoe"][0], tmp_path)
     entry = json.loads((folder / "experts.json").read_text())["layers"][0]
     offset = entry["experts"][5]["offset"] + 1234
     data = bytearray((folder / entry["file"]).read_bytes())
     data[offset] ^= 0x01
-    (folder / entry["file"]).write_bytes(bytes(data))
-    store = ExpertStore.open(folder)  # sizes and header are intact: only the read can tell
+    _write_keeping_mtime(folder / entry["file"], bytes(data))
+    store = ExpertStore.open(folder)  # sizes, mtimes and header are intact: only the read can tell
     store.read(0, 4)
     with pytest.raises(M2R2Error, match="expert 5 of layer 0 .* fails its checksum"):
         store.read(0, 5)
@@ -158,7 +168,7 @@ def test_altered_header_and_missing_manifest_are_refused(stores, tmp_path):
     folder = _copy(stores["olmoe"][0], tmp_path)
     path = folder / "layer_001.safetensors"
     data = path.read_bytes()
-    path.write_bytes(data.replace(b'"shape":[96,64]', b'"shape":[64,96]', 1))
+    _write_keeping_mtime(path, data.replace(b'"shape":[96,64]', b'"shape":[64,96]', 1))
     with pytest.raises(M2R2Error, match=r"layer_001\.safetensors has a header that does not match"):
         ExpertStore.open(folder)
     (folder / "experts.json").unlink()
@@ -344,4 +354,5 @@ def test_cli_exports_and_verifies_a_model_folder(tmp_path, capsys):
     path.write_bytes(bytes(data))
     assert moe_cli(["verify", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m m2r2_mlx.moe: error: expert 7 of layer 5") and "\n" not in err
+    assert err.startswith("python -m m2r2_mlx.moe: error: the expert store in") and "\n" not in err
+    assert "layer_005.safetensors fails its checksum" in err

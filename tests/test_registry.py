@@ -11,8 +11,11 @@ import pytest
 
 
 def test_aliases_name_the_agreed_models():
-    assert ALIASES["phi3"] == "microsoft/Phi-3-mini-4k-instruct"
-    assert ALIASES["olmoe"] == "allenai/OLMoE-1B-7B-0924-Instruct"
+    """Mac users' aliases are the 4-bit MLX conversions; the full-precision checkpoints keep explicit names."""
+    assert ALIASES["phi3"] == "mlx-community/Phi-3-mini-4k-instruct-4bit"
+    assert ALIASES["phi3-bf16"] == "microsoft/Phi-3-mini-4k-instruct"
+    assert ALIASES["olmoe"] == "mlx-community/OLMoE-1B-7B-0924-Instruct-4bit"
+    assert ALIASES["olmoe-bf16"] == "allenai/OLMoE-1B-7B-0924-Instruct"
     assert ALIASES["smollm2"].startswith("embedded:")
 
 
@@ -47,6 +50,10 @@ def test_truncated_safetensors(tmp_path, lm):
             (bad / f.name).symlink_to(f)
     with open(lm.path / "model.safetensors", "rb") as f:
         (bad / "model.safetensors").write_bytes(f.read(1_000_000))
+    # sealed (an import's folder): the record's sizes tell, in one line, before any weight is read
+    with pytest.raises(M2R2Error, match=r"is damaged: model\.safetensors is 1000000 bytes, .* \(truncated"):
+        load_model(str(bad))
+    (bad / "complete.json").unlink()  # a folder without a record (m2r2-convert gguf, older m2r2): the reader tells
     with pytest.raises(M2R2Error, match="could not load the model.*truncated"):
         load_model(str(bad))
 
@@ -66,7 +73,8 @@ def test_hub_alias_offline_is_one_line(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr
-    assert "'phi3'" in lines[0] and "microsoft/Phi-3-mini-4k-instruct" in lines[0] and str(tmp_path / "hf") in lines[0]
+    assert "'phi3'" in lines[0] and "mlx-community/Phi-3-mini-4k-instruct-4bit" in lines[0]
+    assert str(tmp_path / "hf") in lines[0]
 
 
 @pytest.mark.parametrize(

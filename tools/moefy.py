@@ -33,6 +33,7 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_folder, atomic_save_npy, atomic_write_text
 from m2r2_mlx.core.config import M2R2Config
+from m2r2_mlx.core.integrity import record_hashes
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.identity import config_hash
 from m2r2_mlx.models.moefied_llama import MODEL_TYPE
@@ -269,6 +270,7 @@ def rekey_adapters(src: Path, dest: Path, model_folder: Path, model_cfg: dict) -
             if f.is_file() and f.name != "m2r2_config.json":
                 shutil.copy(f, tmp / f.name)
         cfg.save(tmp)
+        record_hashes(tmp)
 
 
 def build_parser() -> argparse.ArgumentParser:

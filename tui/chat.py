@@ -1,7 +1,7 @@
 """m2r2-chat: chat with a model in the terminal, or print one answer with --prompt.
 
 m2r2-chat                                   # Textual chat on the embedded SmolLM2-135M
-m2r2-chat --model phi3                      # a hub model by alias (downloaded once)
+m2r2-chat --model phi3                      # a hub model by alias (downloaded once: 4-bit, 2.2 GB)
 m2r2-chat --prompt "What is the capital of France?"   # one answer, no UI
 echo "What is the capital of France?" | m2r2-chat -p -  # the prompt from stdin
 m2r2-chat --adapters owner/repo --mode speculative  # Hub adapters; their base model is the model
@@ -18,7 +18,7 @@ from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
-from m2r2_mlx.models.registry import ALIASES, DEFAULT_MODEL, load_model, resolve_model_path
+from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help, load_model, resolve_model_path
 from m2r2_mlx.moe.predictors import PREDICTORS
 
 from .app import ChatApp
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help=f"alias ({', '.join(ALIASES)}), Hugging Face repo id, local folder or .gguf file (default: the base "
+        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: the base "
         f"the --adapters name, else {DEFAULT_MODEL}, embedded)",
     )
     p.add_argument(

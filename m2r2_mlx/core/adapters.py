@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,9 +12,11 @@ from mlx.utils import tree_flatten
 from ..atomic import atomic_folder, refuse_existing
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts, SubsetHead, config_hash
+from ..models.registry import variant_note
 from .config import ADAPTERS_FILE, M2R2Config, even_gates
 from .draft_vocab import load_draft_vocab
 from .fast_stream import ContextFeature, M2R2Model
+from .integrity import record_hashes, verify_adapters
 
 
 def config_for_base(lm, gates: list[int], **fields) -> M2R2Config:
@@ -98,6 +101,7 @@ def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, 
     with atomic_folder(folder, keep=keep) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
+    record_hashes(folder)  # after the rename: the files ``keep`` carried over are recorded too
     return folder
 
 
@@ -107,12 +111,18 @@ def load_adapters(lm, folder: str | Path) -> M2R2Model:
     if not folder.is_dir():
         raise M2R2Error(f"adapters folder {folder} not found; check --adapters")
     cfg = M2R2Config.load(folder)
+    verify_adapters(folder)  # before any weight is read: damaged adapters fail here, in one line
     have = config_hash(lm.config)
-    if cfg.base_config_hash != have or cfg.num_layers != len(lm.model.layers):
+    # another variant of the same model (phi3's 4-bit conversion for adapters trained on phi3-bf16): allowed, said
+    variant = variant_note(cfg.base_model, lm.name)
+    same_shape = cfg.num_layers == len(lm.model.layers) and cfg.hidden_size == BaseParts(lm.model).hidden_size
+    if (cfg.base_config_hash != have and variant is None) or not same_shape:
         raise M2R2Error(
             f"adapters in {folder} were made for base {cfg.base_model!r} (config {cfg.base_config_hash}), "
             f"not for {lm.name!r} (config {have}); use adapters trained for this model, or train them with m2r2-train"
         )
+    if variant is not None:
+        print(variant, file=sys.stderr)
     m2r2 = M2R2Model(lm.model, cfg)
     path = folder / ADAPTERS_FILE
     try:

@@ -114,6 +114,7 @@ class M2R2Config:
             raise M2R2Error(f"{folder} has no {CONFIG_FILE}; it is not an M2R2 adapters folder")
         try:
             data = json.loads(path.read_text())
+            data.pop("integrity", None)  # the files' hashes (core/integrity.py): checked before loading, not kept
             extra = dict(data.pop("extra", None) or {})
             # files written before metrics had a field of their own kept them in "extra"
             metrics = data.pop("metrics", None) or {k: extra.pop(k) for k in AdapterMetrics.KEYS if k in extra}

@@ -20,6 +20,8 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..errors import M2R2Error, run_cli
+from .config import CONFIG_FILE
+from .integrity import record_hashes
 
 FILE = "draft_vocab.json"
 PROG = "python -m m2r2_mlx.core.draft_vocab"
@@ -37,7 +39,10 @@ def rank_tokens(rows: np.ndarray, vocab_size: int) -> tuple[list[int], list[floa
 def save_draft_vocab(folder: str | Path, tokens: Sequence[int], cover: Sequence[float], source: str) -> Path:
     marks = {n: round(cover[min(n, len(cover)) - 1], 4) for n in (1024, 2048, 4096, 8192, 16384)}
     blob = {"source": source, "coverage": marks, "tokens": list(tokens)}
-    return atomic_write_text(Path(folder) / FILE, json.dumps(blob))
+    path = atomic_write_text(Path(folder) / FILE, json.dumps(blob))
+    if (Path(folder) / CONFIG_FILE).is_file():  # an adapters folder already: its record gains this file
+        record_hashes(folder)
+    return path
 
 
 def load_draft_vocab(folder: str | Path, size: int, otherwise: str = "drop --draft-vocab") -> list[int]:

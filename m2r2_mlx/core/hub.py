@@ -8,6 +8,7 @@ will use, and refuse a mode that has no adapters, before it downloads or loads a
 from __future__ import annotations
 
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ..errors import M2R2Error
 from ..models.registry import ALIASES, DEFAULT_MODEL, canonical_name, hub_snapshot, is_repo_id
 from .config import ADAPTERS_FILE, CONFIG_FILE, M2R2Config
 from .draft_vocab import FILE as DRAFT_VOCAB_FILE
+from .integrity import config_with_hashes, current_hashes, recorded_hashes, verify_adapters
 
 PACKAGED_ADAPTERS = Path(__file__).resolve().parents[1] / "trained"
 # What an adapters folder holds for decoding; m2r2-train's data cache and checkpoints stay home.
@@ -43,6 +45,7 @@ def resolve_adapters(name: str | Path) -> Path:
     folder = hub_snapshot(text, [*ADAPTER_FILES, CARD], f"adapters {text!r}", "--adapters")
     if not (folder / CONFIG_FILE).is_file():
         raise M2R2Error(f"Hub repo {text} has no {CONFIG_FILE}, so it holds no M2R2 adapters; check the repo id")
+    verify_adapters(folder, fix=f"re-download it (hf download {text} --force-download)")
     return folder
 
 
@@ -99,7 +102,14 @@ def upload_adapters(
             "--model beside --adapters (set base_model in m2r2_config.json to a Hub repo id)",
             file=sys.stderr,
         )
-    ops = [CommitOperationAdd(name, str(folder / name)) for name in ADAPTER_FILES if (folder / name).is_file()]
+    # what is recorded is what travels: a damaged folder is refused, and the record (computed now for a folder
+    # written before records were kept) goes up with the files so that the download is checked against it
+    verify_adapters(folder, note=False)
+    recorded = recorded_hashes(folder) or current_hashes(folder)
+    names = [name for name in ADAPTER_FILES if name in recorded]
+    config = json.dumps(config_with_hashes(folder, {name: recorded[name] for name in names}), indent=2)
+    ops = [CommitOperationAdd(CONFIG_FILE, io.BytesIO(config.encode()))]
+    ops += [CommitOperationAdd(name, str(folder / name)) for name in names]
     card = folder / CARD
     ops.append(CommitOperationAdd(CARD, str(card) if card.is_file() else io.BytesIO(model_card(cfg, repo_id).encode())))
     api = HfApi(endpoint=endpoint, token=token)

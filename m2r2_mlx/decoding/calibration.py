@@ -3,7 +3,8 @@
 A profile (costs.CostProfile) is valid for one model (its name and configuration), weight dtype, BLAS, MLX
 device and machine; its file is named by a hash of all of them, so a change of any one is a different file and
 is measured anew. Measuring takes about a second, when the speculative decoder is built (a chat's or a server's
-start), so a first answer pays nothing for it. A corrupt file is ignored with one log line and measured again.
+start), so a first answer pays nothing for it. The file carries the sha256 of its content: a corrupt file (a
+changed digit parses, so only the checksum tells) is ignored with one log line and measured again.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..atomic import atomic_write_text
+from ..checksums import digest_matches, with_digest
 from ..models.blas import blas_info
 from ..models.registry import cache_home
 from .costs import CostProfile, measure_profile
 from .prompt_cache import PromptCache
 
 log = logging.getLogger("m2r2")
-VERSION = 1
+VERSION = 2  # 2: the file carries the sha256 of its content
 SAVE_EVERY_S = 60.0  # refinements reach the file at the end of an answer, at most this often
 SCRATCH_PROMPT = 64  # positions in the throwaway cache a calibration times its forwards after
 
@@ -68,7 +70,7 @@ class Calibration:
 
     def save(self, profile: CostProfile | None = None) -> None:
         self.profile = profile or self.profile
-        doc = {"version": VERSION, "identity": self.identity, "profile": self.profile.to_json()}
+        doc = with_digest({"version": VERSION, "identity": self.identity, "profile": self.profile.to_json()})
         try:
             atomic_write_text(self.path, json.dumps(doc, indent=1))
         except OSError as e:  # a read-only cache folder costs the next session a calibration, nothing more
@@ -94,9 +96,12 @@ def read_profile(path: Path, ident: dict) -> CostProfile | None:
         doc = json.loads(path.read_text())
         if doc.get("version") != VERSION or doc.get("identity") != ident:
             return None
+        if not digest_matches(doc):
+            raise ValueError("its content does not match its sha256")
         return CostProfile.from_json(doc["profile"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        log.warning("ignoring the damaged step-cost file %s (%s); measuring again", path, type(e).__name__)
+        why = str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError) else type(e).__name__
+        log.warning("ignoring the damaged step-cost file %s (%s); measuring again", path, why)
         return None
 
 

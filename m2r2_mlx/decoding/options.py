@@ -247,7 +247,17 @@ OPTIONS = (
         "must be at least 1",
         target="sampling",
     ),
-    Option("seed", ("--seed",), int, None, "random seed for sampling", ("seed",), target="generation"),
+    Option(
+        "seed",
+        ("--seed",),
+        int,
+        None,
+        "random seed for sampling",
+        ("seed",),
+        lambda v: 0 <= v < 2**64,  # what mx.random.seed takes
+        "must be in 0..2**64-1",
+        target="generation",
+    ),
     # mlx-lm's KV-cache options; a server's are its flags (one cache serves every request)
     Option(
         "max_kv_size",

@@ -95,12 +95,19 @@ class Planner:
         self.costs, self.acceptance, self.max_nodes = costs, acceptance, max_nodes
 
     def reach(self, tree: DraftTree) -> list[float]:
-        """pi per node: the probability that verification accepts it (1 for the root), on optimistic rates:
-        verifying one more position costs little, and a proposal never verified would never be learnt about."""
+        """pi per node: the probability that verification accepts it (1 for the root). Prompt lookup's proposals
+        are priced at their mean rates: they are free and many (trees of 3 x 8), and optimism compounded along a
+        chain would verify trees far wider than they pay (probes re-measure lookup when it is left out). The
+        fast stream's drafts are priced optimistically, as they were drafted: a drafter whose runs are gated by
+        its estimate must be tried while that estimate is uncertain."""
         pi = [1.0]
+        acceptance = self.acceptance
         for node in range(1, len(tree)):
             rate = max(
-                self.acceptance.optimistic(k, tree.depths[node], tree.signal.get((k, node))) for k in tree.sources[node]
+                (acceptance.rate if k == "lookup" else acceptance.optimistic)(
+                    k, tree.depths[node], tree.signal.get((k, node))
+                )
+                for k in tree.sources[node]
             )
             pi.append(pi[tree.parents[node]] * rate)
         return pi

@@ -1,39 +1,51 @@
-"""m2r2-cache: what m2r2 keeps on disk, and removing it.
+"""m2r2-cache: what m2r2 keeps on disk, checking it, and removing it.
 
-    m2r2-cache list                         # imported models and MoE expert stores, with their sizes
+    m2r2-cache list                         # imported models, MoE expert stores, step costs, with their sizes
+    m2r2-cache verify [NAME ...]            # every file against the sha256 recorded when it was written
     m2r2-cache remove experts/olmoe-1a2b    # asks first; --yes for scripts
     m2r2-cache remove --all --yes
 
-m2r2's cache ($M2R2_HOME, else ~/.cache/m2r2-mlx) holds GGUF imports (models/) and the expert stores that
---memory-budget exports (experts/). Models downloaded from the Hub live in the Hugging Face cache instead:
-`hf cache scan` / `hf cache delete` manage those.
+m2r2's cache ($M2R2_HOME, else ~/.cache/m2r2-mlx) holds GGUF imports (models/), the expert stores that
+--memory-budget exports (experts/) and the speculative decoder's measured step costs (calibration/). Models
+downloaded from the Hub live in the Hugging Face cache instead: `hf cache scan` / `hf cache delete` manage those.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
+from ..checksums import check_folder, digest_matches
 from ..errors import M2R2Error, run_cli
-from .registry import cache_home
+from .paths import cache_home
 
-KINDS = {"models": "imported model", "experts": "expert store"}
+KINDS = {"models": "imported model", "experts": "expert store", "calibration": "step costs"}
+UNFINISHED = "unfinished write"  # a build's temporary folder: in progress, or left by one that was killed
 
 
 @dataclass
 class Entry:
-    name: str  # "models/<folder>" or "experts/<folder>"
+    name: str  # "models/<folder>", "experts/<folder>" or "calibration/<file>.json"
     kind: str
     path: Path
     size: int
 
 
 def folder_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _members(folder: Path, sub: str) -> list[Path]:
+    if sub == "calibration":
+        return sorted(p for p in folder.glob("*.json") if p.is_file())
+    return sorted(p for p in folder.iterdir() if p.is_dir())
 
 
 def entries(home: Path | None = None) -> list[Entry]:
@@ -41,9 +53,29 @@ def entries(home: Path | None = None) -> list[Entry]:
     found = []
     for sub, kind in KINDS.items():
         if (home / sub).is_dir():
-            for path in sorted(p for p in (home / sub).iterdir() if p.is_dir()):
-                found.append(Entry(f"{sub}/{path.name}", kind, path, folder_size(path)))
+            for path in _members(home / sub, sub):
+                hidden = path.name.startswith(".")
+                found.append(Entry(f"{sub}/{path.name}", UNFINISHED if hidden else kind, path, folder_size(path)))
     return found
+
+
+def verify(entry: Entry) -> str | None:
+    """None when ``entry`` matches what was recorded when it was written; else what is wrong and the fix."""
+    if entry.kind == UNFINISHED:
+        return "a build's temporary folder (in progress, or killed); removed by the next build, or remove it"
+    if entry.kind == "step costs":
+        try:
+            intact = digest_matches(json.loads(entry.path.read_text()))
+        except (OSError, ValueError):
+            intact = False
+        return None if intact else "damaged or from an older m2r2; ignored and measured again at next use"
+    check = check_folder(entry.path, full=True)
+    if check.ok:
+        return None
+    redo = "run again to import it anew" if entry.kind == "imported model" else "it is exported again at next use"
+    if check.state == "unfinished":
+        return f"unfinished ({check.detail}: killed half-way, or written by an older m2r2); {redo}"
+    return f"damaged: {check.detail}; m2r2-cache remove {entry.name}, then {redo}"
 
 
 def human(size: int) -> str:
@@ -83,11 +115,14 @@ def confirm(chosen: list[Entry]) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="m2r2-cache",
-        description="List or remove what m2r2 keeps in its cache (imported models, MoE expert stores).",
+        description="List, verify or remove what m2r2 keeps in its cache (imported models, MoE expert stores, "
+        "step costs).",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("list", help="imported models and expert stores, with their sizes")
+    sub.add_parser("list", help="imported models, expert stores and step costs, with their sizes")
+    v = sub.add_parser("verify", help="check every file against the sha256 recorded when it was written")
+    v.add_argument("names", nargs="*", help="entries as `m2r2-cache list` prints them (default: all)")
     r = sub.add_parser("remove", help="delete entries (asks first unless --yes)")
     r.add_argument("names", nargs="*", help="entries as `m2r2-cache list` prints them (models/NAME, experts/NAME)")
     r.add_argument("--all", action="store_true", help="every entry")
@@ -107,6 +142,8 @@ def _main() -> int:
             print(f"{e.name:<{width}}  {human(e.size):>9}  {e.kind}")
         print(f"{'total':<{width}}  {human(sum(e.size for e in found)):>9}  in {cache_home()}")
         return 0
+    if args.command == "verify":
+        return verify_entries(pick(args.names, not args.names, found))
     if not args.names and not args.all:
         raise M2R2Error("say what to remove: entries as `m2r2-cache list` prints them, or --all")
     chosen = pick(args.names, args.all, found)
@@ -117,9 +154,27 @@ def _main() -> int:
         print("nothing removed")
         return 1
     for e in chosen:
-        shutil.rmtree(e.path)
+        if e.path.is_dir():
+            shutil.rmtree(e.path)
+        else:
+            e.path.unlink()
         print(f"removed {e.name} ({human(e.size)})")
     return 0
+
+
+def verify_entries(chosen: list[Entry]) -> int:
+    """One line per entry: ok, or what is wrong and the fix; exit status 1 if any is not ok."""
+    if not chosen:
+        print(f"m2r2's cache ({cache_home()}) is empty")
+        return 0
+    width = max(len(e.name) for e in chosen)
+    bad = 0
+    for e in chosen:
+        problem = verify(e)
+        bad += problem is not None
+        print(f"{e.name:<{width}}  {problem or 'ok'}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} entries intact")
+    return 1 if bad else 0
 
 
 def main() -> None:

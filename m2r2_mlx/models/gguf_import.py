@@ -12,8 +12,10 @@ What the import does, and why:
   Hugging Face checkpoint), so we undo that permutation;
 - the tokenizer (byte-level BPE) and the chat template are rebuilt from the GGUF
   metadata with the ``tokenizers`` library and saved as tokenizer.json.
-The folder is written to a temporary sibling and renamed into place, so an
-interrupted import never leaves a half-written model behind.
+The folder is written to a temporary sibling, sealed with its files' hashes
+(``complete.json``, written last) and renamed into place, so an interrupted
+import never leaves a half-written model behind, and a damaged one is caught
+when it loads.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from ..atomic import atomic_folder
+from ..checksums import check_folder, exclusive, seal
 from ..errors import M2R2Error
 
 IMPORTER_VERSION = 1
+INFO_FILE = "import_info.json"  # the source's fingerprint
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -244,24 +248,43 @@ def source_fingerprint(path: Path) -> dict:
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False, keep_quantized: bool = False) -> Path:
     """Import ``gguf_path`` into ``out_dir`` (float32 safetensors, or with ``keep_quantized`` MLX-quantized ones
-    where the GGUF's types allow, + config + tokenizer).
+    where the GGUF's types allow, + config + tokenizer), sealed with its files' hashes (checksums.seal).
 
-    An existing folder from the same source file (and the same choice) is reused; a folder from another
-    source is only replaced with ``force=True``.
+    A complete folder from the same source file (and the same choice) is reused after a check of its files'
+    sizes and mtimes; an unfinished one (an import killed half-way) is imported again; a damaged one fails in
+    one line. A folder from another source is only replaced with ``force=True``.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     fingerprint = source_fingerprint(gguf_path) if gguf_path.is_file() else None
     if fingerprint and keep_quantized:
         fingerprint["keep_quantized"] = True
-    info_file = out_dir / "import_info.json"
-    if out_dir.exists():
-        if info_file.is_file() and json.loads(info_file.read_text()) == fingerprint:
-            return out_dir
-        if not force:
-            raise M2R2Error(
-                f"{out_dir} already exists and was not imported from {gguf_path}; pass --force to replace it"
-            )
+    with exclusive(out_dir, f"{out_dir.name} (an import of {gguf_path.name})"):
+        if out_dir.exists():
+            same = _recorded_source(out_dir) == fingerprint
+            check = check_folder(out_dir)
+            if same and check.ok:
+                return out_dir
+            if same and check.state == "damaged":
+                raise M2R2Error(
+                    f"the imported model in {out_dir} is damaged: {check.detail}; delete the folder (for m2r2's "
+                    f"cache: m2r2-cache remove models/{out_dir.name}) and run again to import it anew"
+                )
+            if not same and not force:
+                raise M2R2Error(
+                    f"{out_dir} already exists and was not imported from {gguf_path}; pass --force to replace it"
+                )
+        _import(gguf_path, out_dir, fingerprint, keep_quantized)
+    return out_dir
 
+
+def _recorded_source(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _import(gguf_path: Path, out_dir: Path, fingerprint: dict | None, keep_quantized: bool) -> None:
     reader = open_gguf(gguf_path)
     config = gguf_config(reader)
     tokenizer = build_tokenizer(reader)
@@ -272,5 +295,5 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, force: bool = False,
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
-        (tmp / "import_info.json").write_text(json.dumps(fingerprint, indent=2))
-    return out_dir
+        (tmp / INFO_FILE).write_text(json.dumps(fingerprint, indent=2))
+        seal(tmp)  # last: a folder without its completion record is an unfinished import

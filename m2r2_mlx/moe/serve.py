@@ -52,10 +52,10 @@ def serve_with_budget(
             raise M2R2Error(f"--expert-predictor {predictor} needs --adapters trained on this model")
         m2r2 = load_adapters(lm, adapters)
     folder = store_folder(lm)
-    if not (folder / "experts.json").exists():
+    if not ExpertStore.finished(folder):
         print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
         # layer by layer, each released once written: a lazily loaded model never holds all its experts
-        store = ExpertStore.export(lm.model, folder, release=True)
+        store = ExpertStore.export(lm.model, folder, force=True, release=True)
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         print(f"exported {len(store.layers)} MoE layers' experts: {size / 1e9:.2f} GB", file=sys.stderr)
     cache = offload_experts(lm.model, folder, budget, link=Link(link_gbps) if link_gbps is not None else None)

@@ -6,6 +6,8 @@ Layout of a store folder::
                             and each expert's byte range and CRC-32
     layer_003.safetensors   tensors ``<prefix>.experts.<e>.<proj>.<param>``, expert-major, so
                             one expert is one contiguous byte range (one read, one checksum)
+    complete.json           written last: each file's size, mtime and sha256 (checksums.seal);
+                            sizes and mtimes are checked at open, everything by m2r2-cache verify
 
 The files are ordinary safetensors (``mx.load`` and the ``safetensors`` package read them);
 this module writes and parses them itself so bfloat16 needs no framework and each expert's
@@ -16,6 +18,7 @@ operating system pages in only the experts that are asked for.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import zlib
 from pathlib import Path
@@ -26,12 +29,15 @@ from mlx.utils import tree_map
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_folder, atomic_write_text
+from ..checksums import check_folder, exclusive, read_record, seal
 from ..errors import M2R2Error
 from .blocks import expert_params, module_path, moe_blocks, top_k
 
 MANIFEST = "experts.json"
 FORMAT = "m2r2-expert-store"
 VERSION = 1
+log = logging.getLogger("m2r2")
+_noted: set[Path] = set()  # stores without a completion record, noted once each
 REEXPORT = "re-export the store (python -m m2r2_mlx.moe export --model MODEL -o FOLDER --force)"
 
 # safetensors dtype codes <-> MLX dtypes; bfloat16 travels as uint16 bits through numpy.
@@ -126,6 +132,23 @@ def _write_layer(path: Path, prefix: str, params: dict[str, mx.array]) -> dict:
     }
 
 
+def _check_files(folder: Path) -> None:
+    """Sizes and mtimes against the export's record (a file whose mtime moved is hashed again); a store exported
+    before records were kept opens with one note line, its experts still checked by their CRC-32 at each read."""
+    check = check_folder(folder)
+    if check.state == "damaged":
+        raise M2R2Error(f"the expert store in {folder} is damaged: {check.detail}; {REEXPORT}")
+    if not check.ok and folder.resolve() not in _noted:
+        _noted.add(folder.resolve())
+        log.warning(
+            "note: the expert store in %s has no completion record (%s); its files' sizes and hashes "
+            "cannot be checked at load; %s to record them",
+            folder,
+            check.detail,
+            REEXPORT,
+        )
+
+
 class ExpertStore:
     """A folder of exported expert weights, memory-mapped and verified before use."""
 
@@ -148,7 +171,7 @@ class ExpertStore:
             raise M2R2Error("this model has no SwitchGLU mixture-of-experts layers, so there are no experts to export")
         if folder.exists() and not force:
             raise M2R2Error(f"{folder} already exists; pass force=True (--force) to replace it")
-        with atomic_folder(folder) as tmp:
+        with exclusive(folder, f"the expert store {folder.name}"), atomic_folder(folder) as tmp:
             layers = []
             for i, block in tqdm(blocks, desc="exporting experts", unit="layer", leave=False):
                 params = expert_params(block.switch_mlp)
@@ -167,7 +190,14 @@ class ExpertStore:
                 "layers": layers,
             }
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            seal(tmp)  # last: a store without its completion record is an unfinished export
         return ExpertStore.open(folder)
+
+    @staticmethod
+    def finished(folder: str | Path) -> bool:
+        """True when an export into ``folder`` completed (its completion record is there); an export killed
+        half-way leaves none, and is done again."""
+        return read_record(Path(folder).expanduser()) is not None
 
     # -- reading -------------------------------------------------------------------------
 
@@ -181,6 +211,7 @@ class ExpertStore:
                 f"no expert store in {folder} ({MANIFEST} is missing); export one first "
                 "(python -m m2r2_mlx.moe export --model MODEL -o FOLDER)"
             )
+        _check_files(folder)
         try:
             manifest = json.loads(path.read_text())
             if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:

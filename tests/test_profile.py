@@ -1,0 +1,190 @@
+"""m2r2-profile: the trace opens and nests, the component table covers the measured step, the bandwidth probe is
+steady, profiling changes no token, and bad input is one line each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+from m2r2_mlx.decoding.options import DecodingOptions
+from m2r2_mlx.models.registry import resolve_model_path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from m2r2_profiler import cli
+from m2r2_profiler.config import ExpertOptions, ProfileConfig
+from m2r2_profiler.probe import stream_bandwidth
+from m2r2_profiler.report import markdown, summary
+from m2r2_profiler.session import run_profile
+from m2r2_profiler.trace import trace_document
+from tests.tiny import tiny_model
+
+PROMPT = "Name three colours of the rainbow."
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    """A tiny random OLMoE with the embedded model's tokenizer: a real folder, profiled in a second."""
+    folder = tmp_path_factory.mktemp("models") / "tiny-olmoe-profile"
+    folder.mkdir()
+    smol = resolve_model_path(None)
+    for f in smol.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            shutil.copy(f, folder / f.name)
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    lm = tiny_model("olmoe", vocab_size=vocab, num_hidden_layers=4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    (folder / "config.json").write_text(json.dumps(lm.config))
+    return folder
+
+
+def config(model, mode="plain", tokens=12, experts=None, adapters=None) -> ProfileConfig:
+    options = DecodingOptions.from_values({"mode": mode, "max_tokens": tokens})
+    return ProfileConfig(str(model) if model else "smollm2", adapters, options, PROMPT, experts=experts)
+
+
+def nesting(doc: dict) -> dict[int, list[int]]:
+    """Each complete event's direct children (by index), checking that every event lies within its parent."""
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    order = sorted(range(len(events)), key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+    stack: list[int] = []
+    children: dict[int, list[int]] = {i: [] for i in range(len(events))}
+    for i in order:
+        e = events[i]
+        while stack and e["ts"] >= events[stack[-1]]["ts"] + events[stack[-1]]["dur"] and e["dur"] > 0:
+            stack.pop()
+        if stack:
+            top = events[stack[-1]]
+            assert e["ts"] + e["dur"] <= top["ts"] + top["dur"] + 1e-3, (e["name"], top["name"])
+            children[stack[-1]].append(i)
+        stack.append(i)
+    return children
+
+
+def check_trace(profile) -> list[float]:
+    """The trace parses as trace-event JSON and nests; returns each step's children's share of it."""
+    doc = json.loads(json.dumps(trace_document(profile, summary(profile))))
+    assert doc["displayTimeUnit"] == "ms" and any(e["ph"] == "M" for e in doc["traceEvents"])
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert all({"name", "cat", "ts", "dur", "pid", "tid", "args"} <= set(e) for e in events)
+    children = nesting(doc)
+    steps = [i for i, e in enumerate(events) if e["cat"] == "step"]
+    assert steps and all("tokens" in events[i]["args"] and "context" in events[i]["args"] for i in steps)
+    return [sum(events[c]["dur"] for c in children[i]) / events[i]["dur"] for i in steps]
+
+
+def test_bandwidth_probe_is_positive_and_steady():
+    runs = [stream_bandwidth(mb=128, passes=5) for _ in range(3)]
+    assert min(runs) > 0
+    assert max(runs) / min(runs) <= 1.2, runs
+
+
+def test_moe_within_a_budget_profiles_its_expert_work(moe_folder, tmp_path, monkeypatch):
+    """On a tiny MoE at 25% of its experts: the same tokens, expert loads and stalls per token, a trace that nests,
+    and the model's own classes back afterwards."""
+    monkeypatch.setenv("M2R2_HOME", str(tmp_path / "home"))  # the expert store is exported here
+    profile = run_profile(config(moe_folder, experts=ExpertOptions("25%")))
+    assert profile.same_tokens and len(profile.measured.tokens) == 12
+    for run in ("unmeasured", "measured"):
+        assert profile.experts[run]["loads_per_token"] > 0 and profile.experts[run]["stall_ms_per_token"] >= 0
+    labels = [r.label for r in profile.rows]
+    assert any("expert loads" in label for label in labels) and any("mixture-of-experts" in label for label in labels)
+    check_trace(profile)
+    assert abs(sum(r.seconds for r in profile.rows) - profile.steps_s) < 1e-6
+    text = markdown(summary(profile))
+    assert "Experts within the memory budget" in text and "memory limit" in text
+
+
+def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
+    from m2r2_mlx.decoding import generate, speculative
+    from m2r2_mlx.models.registry import load_model
+
+    monkeypatch.setenv("M2R2_HOME", str(tmp_path / "home"))
+    before = (generate.NextToken, speculative.verify_tree, speculative.next_token)
+    lm = load_model(str(moe_folder))
+    layer = lm.model.model.layers[0]
+    classes = (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens))
+    names = [k for k, _ in tree_flatten(lm.model.parameters())]
+
+    from m2r2_mlx.decoding.decoders import make_decoder
+    from m2r2_mlx.decoding.prompt_cache import PromptCache
+
+    from m2r2_profiler.instrument import Target, instrument
+    from m2r2_profiler.spans import Recorder
+
+    cache = PromptCache(lm.model)
+    with instrument(Recorder(), Target(lm.model, make_decoder(lm, "plain"), cache)):
+        assert type(layer.self_attn) is not classes[0] and isinstance(layer.self_attn, classes[0])
+        assert [k for k, _ in tree_flatten(lm.model.parameters())] == names  # the parameter tree is untouched
+    assert (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens)) == classes
+    assert (generate.NextToken, speculative.verify_tree, speculative.next_token) == before
+    assert "forward" not in vars(cache)
+
+
+def test_without_matplotlib_the_png_is_skipped(tmp_path, monkeypatch):
+    from m2r2_profiler.plot import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a clean install without the [profile] extra
+    assert plot(tmp_path, tmp_path / "profile.png") is None and not (tmp_path / "profile.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--mode", "nosuch"], "invalid choice: 'nosuch'"),
+        (["--tokens", "0"], "--tokens must be at least 1"),
+        (["--metal-capture", "decode.gputrace"], "--metal-capture needs a Mac"),
+        (["--trace", "/no/such/folder/t.json"], "the folder of --trace"),
+    ],
+)
+def test_bad_input_is_one_line(argv, words, monkeypatch, capsys):
+    if "--metal-capture" in argv and sys.platform == "darwin":
+        pytest.skip("on a Mac the capture is available")
+    monkeypatch.setattr(sys, "argv", ["m2r2-profile", *argv])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("m2r2-profile: error:") and words in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_components_cover_the_measured_step_on_the_real_model(mode):
+    profile = run_profile(config(None, mode, tokens=32))
+    assert profile.same_tokens
+    assert 0.9 <= profile.coverage <= 1.0 + 1e-9, profile.coverage  # the rows add up to the steps exactly
+    # and the steps to the decode's time on the decoder's own clock (its events' elapsed time)
+    assert abs(profile.steps_s / profile.measured.decode_s - 1) <= 0.1, (profile.steps_s, profile.measured.decode_s)
+    assert abs(sum(r.seconds for r in profile.rows) - profile.steps_s) < 1e-6
+    shares = check_trace(profile)
+    assert min(shares) >= 0.9, sorted(shares)[:3]
+    assert profile.roofline.bytes_per_token > 100e6 and 0 < profile.roofline.share < 1.0
+    plans = [profile.recorder.spans[s.span].args for s in profile.decode_steps]
+    assert all("plan" in a for a in plans) if mode == "speculative" else not any("plan" in a for a in plans)
+    if mode == "speculative":  # the positions the full model verified, wherever the engine drafted
+        assert any(a.get("nodes_verified", 0) > 1 for a in plans)
+    assert profile.unmeasured.tokens_per_s > 0 and profile.measured.tokens_per_s > 0
+
+
+@pytest.mark.slow
+def test_early_exit_profiles_the_same_tokens():
+    profile = run_profile(config(None, "early-exit", tokens=24))
+    assert profile.same_tokens
+    assert any(r.component == "exit-rule" for r in profile.rows)
+    assert min(check_trace(profile)) >= 0.9
+
+
+@pytest.mark.slow
+def test_cli_writes_report_trace_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["m2r2-profile", "--tokens", "8", "--out", str(tmp_path), "-p", PROMPT])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 0
+    assert "decoding runs at" in capsys.readouterr().out
+    assert (tmp_path / "profile-smollm2-plain.md").is_file() and (tmp_path / "profile.png").stat().st_size > 10_000
+    doc = json.loads((tmp_path / "trace-smollm2-plain.json").read_text())
+    nesting(doc)

@@ -1,0 +1,135 @@
+"""Property-based request bodies (hypothesis) against the request parser and a live m2r2-server: never a 5xx, never a
+hang, every error in OpenAI's error shape. Bodies mix the fields the server reads (with plausible and arbitrary
+values), unknown fields, arbitrary JSON and arbitrary bytes. The examples are derandomized: a CI run is repeatable."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from m2r2_server.cli import build_parser
+from m2r2_server.protocol import UNSUPPORTED, Request, RequestError, error_body, parse_request
+
+from .server_util import is_error_body, port, running
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+NUMBERS = st.integers(-3, 5) | st.integers() | st.floats() | st.sampled_from([0, 1, 0.5, 2**64, -(2**63), 1e308])
+NAMES = st.sampled_from(["plain", "speculative", "early-exit", "layerskip", "lookup", "hybrid", "x", ""])
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]) | JSON,
+        "content": st.text(max_size=30) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JSON})),
+    }
+)
+FIELDS = {
+    "messages": st.lists(MESSAGE | JSON, max_size=3) | JSON,
+    "prompt": st.text(max_size=30) | st.lists(st.integers(-2, 60_000), max_size=8) | JSON,
+    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=6) | JSON,
+    "stream": st.booleans() | JSON,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | JSON,
+    "model": st.text(max_size=8) | JSON,
+    **{name: st.sampled_from(list(neutral)) | JSON for name, neutral in UNSUPPORTED.items()},
+    **{f: (NAMES if o.type is str else NUMBERS if o.type in (int, float) else st.booleans()) | JSON
+       for o in OPTIONS for f in o.fields},
+}  # fmt: skip
+PLAUSIBLE = {  # values a real client sends: these bodies mostly pass the parser and decode
+    "mode": NAMES,
+    "max_tokens": st.integers(1, 10**6),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(0, 200),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "seed": st.integers(0, 2**64 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "draft": st.integers(1, 12),
+    "tau": st.floats(0, 1),
+}
+VALID = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=40)}), min_size=1,
+                          max_size=2),
+     "prompt": st.text(min_size=1, max_size=40)},
+    optional=PLAUSIBLE,
+)  # fmt: skip
+BODIES = (
+    VALID | st.fixed_dictionaries({}, optional=FIELDS) | st.dictionaries(st.text(max_size=10), JSON, max_size=4) | JSON
+)
+KINDS = st.sampled_from(["chat", "text"])
+
+
+def _defaults() -> DecodingOptions:
+    return DecodingOptions.from_values(vars(build_parser().parse_args([])))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=KINDS, body=BODIES)
+def test_the_parser_answers_a_request_or_a_4xx_in_openais_shape(kind, body):
+    defaults = _defaults()
+    try:
+        parsed = parse_request(kind, body, defaults)
+    except RequestError as e:
+        assert 400 <= e.status < 500, e.message
+        assert is_error_body(error_body(e.message, e.kind, e.param, e.code))
+        return
+    assert isinstance(parsed, Request) and parsed.kind == kind
+
+
+def _post(srv, path: str, data: bytes) -> tuple[int, bytes, str]:
+    """(status, body, content type); the 60 s timeout is the test's 'never a hang'."""
+    conn = http.client.HTTPConnection("127.0.0.1", port(srv), timeout=60)
+    try:
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read(), r.getheader("Content-Type") or ""
+    finally:
+        conn.close()
+
+
+def _check(status: int, data: bytes, content_type: str) -> None:
+    assert status < 500, (status, data[:300])
+    if status == 200:
+        if content_type.startswith("text/event-stream"):
+            events = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: ")]
+            assert events and events[-1] == b"[DONE]", data[-300:]
+            for event in events[:-1]:  # an error after the headers is an event in the same shape
+                obj = json.loads(event)
+                assert "error" not in obj or is_error_body(obj)
+        else:
+            assert json.loads(data)["choices"]
+    else:
+        assert is_error_body(json.loads(data)), data[:300]
+
+
+@pytest.fixture(scope="module")
+def short_server(lm):
+    """A live server whose model context is 96 tokens: any request decodes a few dozen tokens at most."""
+    with running(lm, "--max-tokens", "4", context=96, timeout_s=10) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=BODIES)
+def test_a_live_server_never_answers_5xx_nor_hangs_on_fuzzed_bodies(short_server, path, body):
+    _check(*_post(short_server, path, json.dumps(body).encode()))
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/x"]), data=st.binary(min_size=1))
+def test_a_live_server_answers_arbitrary_bytes_with_a_4xx(short_server, path, data):
+    status, body, content_type = _post(short_server, path, data)
+    assert 400 <= status < 500 and is_error_body(json.loads(body)), (status, body[:300])
