@@ -1,7 +1,9 @@
 """MoE decoding with a memory-budgeted expert cache: on-demand LRU vs pre-gating vs M2R2 ahead-of-time loading.
 
-    python -m m2r2_tools.moefy -o build/smollm2-moe --adapters      # once: the MoEfied SmolLM2 (~5 min)
     m2r2-bench --moe --profile macbook --regime-map 0.25,0.5,1,2,4,8
+
+The default model, the MoEfied SmolLM2 with adapters trained on its routing, is built on first use when missing
+(moe_bench_build.py: minutes, once, from text the package ships).
 
 For each expert budget (a share of all experts held in memory) and each method, greedy
 decoding of the same prompts, batch 1, in one run: tokens/s (decode only), speedup over
@@ -40,13 +42,13 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm.auto import tqdm
 
+from .moe_bench_build import COMMAND, DEFAULT_MODEL, BenchModelBuild, build_model, is_built
 from .moe_bench_report import write_report
 
 # every registered predictor that needs no recorded run; on-demand loading is the "lru" row
 PREDICTED = tuple(name for name, e in PREDICTORS.items() if name != "none" and not e.needs_trace)
 METHODS = ("resident", "lru", *PREDICTED)
 LABELS = {"resident": "all resident", "lru": "on-demand LRU", **{name: PREDICTORS[name].label for name in PREDICTED}}
-DEFAULT_MODEL = Path("build/smollm2-moe")  # python -m m2r2_tools.moefy -o build/smollm2-moe --adapters
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class MoEBenchConfig:
     regime_prompts: int = 3
     policy: str = "lru"
     m2r2_intervals: int | None = None  # M2R2: run the fast stream ahead in the first N gate intervals only
+    build: BenchModelBuild | None = None  # the benchmark model is missing: build it first (prompts come with it)
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -84,11 +87,8 @@ class MoEBenchConfig:
             raise M2R2Error(
                 "--num-prompts, --regime-prompts and --prompt-tokens must be at least 1, --max-tokens at least 2"
             )
-        if not self.prompts.is_file():
-            raise M2R2Error(
-                f"{self.prompts} not found; build the model with python -m m2r2_tools.moefy -o {Path(self.model)} "
-                "--adapters (it writes heldout.npy), or pass --prompts"
-            )
+        if not self.prompts.is_file() and self.build is None:
+            raise M2R2Error(f"{self.prompts} not found; build the benchmark model with {COMMAND}, or pass --prompts")
 
     @property
     def link_ratio(self) -> float | None:
@@ -238,6 +238,8 @@ def measure(config: MoEBenchConfig, method: str, budget: float, store, link, pro
         )
         if fast:
             row["fast_layer_passes_per_token"] = passes / max(1, stats.tokens)
+        if cache.planner is not None and cache.planner.governor is not None:
+            row["governor"] = cache.planner.governor.summary()  # the predictor's measured cost and savings
         cache.close()
     return row
 
@@ -272,6 +274,10 @@ def open_store(config: MoEBenchConfig) -> tuple[ExpertStore, int]:
 
 def run(config: MoEBenchConfig) -> dict:
     """Every method at every budget (and ratio of the regime map); the result moe_bench.json holds."""
+    if config.build is not None and not is_built(config.build):
+        build_model(config.build)
+    if not config.prompts.is_file():
+        raise M2R2Error(f"{config.prompts} not found; pass --prompts")
     ids = np.load(config.prompts)
     span = config.prompt_tokens
     if ids.size < config.num_prompts * span * 4:
@@ -365,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
             regime_prompts=args.regime_prompts,
             policy=args.policy,
             m2r2_intervals=args.m2r2_intervals,
+            build=BenchModelBuild() if Path(args.model) == DEFAULT_MODEL and not is_built(BenchModelBuild()) else None,
         )
         write_report(run(config), LABELS, args.out, cmd)
         return 0

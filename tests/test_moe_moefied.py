@@ -9,14 +9,16 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.moefied_llama import ModelArgs, MoefiedMLP
 from m2r2_mlx.models.registry import load_model
-from m2r2_mlx.moe import ExpertStore, moe_blocks, offload_experts
+from m2r2_mlx.moe import ExpertStore, Oracle, Prefetcher, PrefetchPlanner, ShuffledControl, moe_blocks, offload_experts
 from m2r2_mlx.moe.fused_predictor import prediction_plan
+from m2r2_mlx.moe.planner import PlannerConfig
 from m2r2_mlx.moe.profiles import PROFILES, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor
 
@@ -141,6 +143,8 @@ def test_budgeted_decoding_gives_the_resident_tokens(folder, store, prompt, meth
     cache = offload_experts(lm.model, store, 0.25, link=link_for(2.0, store.expert_bytes(), 0.2))
     assert cache.slots_per_layer == {i: TOP_K for i in range(LAYERS)}
     predictor = attach_predictor(cache, method, _m2r2(lm) if method.startswith("m2r2") else None)
+    if cache.planner is not None:
+        cache.planner.governor = None  # every decode step predicts (the governor's own test is below)
     tokens, _ = greedy(lm.model, prompt, 10, on_prefilled=cache.reset)
     assert tokens == reference
     s = cache.stats
@@ -209,3 +213,94 @@ def test_bench_unknown_profile_is_one_line():
     )
     assert r.returncode != 0 and "unknown device profile 'laptop'" in r.stderr and "pcie-gpu" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _decode(folder, store, budget, predictor=None, planned=True, trace=None, tokens=16, governed=True):
+    """(tokens, decode seconds, stats, planner decisions, the run's trace, one transfer's seconds) at ``budget`` on
+    an emulated link (one expert: 2.35 ms, the macbook profile's ratio over a 1 ms layer)."""
+    lm = load_model(str(folder), tokenizer=False)
+    link = link_for(2.35, store.expert_bytes(), 1.0)
+    cache = offload_experts(lm.model, store, budget, link=link)
+    if predictor is not None:
+        Prefetcher(cache)
+    planner = PrefetchPlanner(PlannerConfig(governed=governed)).attach(cache) if planned else None
+    if predictor is not None:
+        predictor.attach(cache)
+    cache.trace = {} if trace else None
+    tokens, seconds = greedy(lm.model, np.load(folder / "heldout.npy")[:24], tokens, on_prefilled=cache.reset)
+    cache.close()
+    t = link.min_seconds(store.expert_bytes())
+    return tokens, seconds, cache.stats, planner.decisions if planner else None, cache.trace, t
+
+
+def modelled_s(compute_s: float, stats, t: float) -> float:
+    """Decode time in the link model: compute (LRU's, the same for every run: the predictors' own work aside) plus
+    one whole transfer for every load the pass waited on (on demand, or a prefetch still in flight): deterministic
+    counts, not the shared machine's wall time."""
+    return compute_s + (stats.misses + stats.total("late_prefetches")) * t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.25, 0.375, 0.5])
+def test_with_random_predictions_the_planner_is_lru_within_3_percent(folder, store, budget):
+    """Random experts: the loader issues (almost) nothing, so the cache is LRU: same misses, same bytes over the
+    link, throughput in the link model within 3% of LRU's (wall time compared loosely: the machine is shared)."""
+    lru_tokens, lru_s, lru, _, _, t = _decode(folder, store, budget, planned=False)
+    tokens, seconds, s, decisions, _, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
+    assert tokens == lru_tokens
+    assert decisions["loaded"] <= 0.01 * decisions["considered"] and s.total("prefetch_loads") == decisions["loaded"]
+    assert s.misses == lru.misses and s.bytes_moved == lru.bytes_moved
+    compute = lru_s - lru.stall_s
+    assert modelled_s(compute, lru, t) / modelled_s(compute, s, t) >= 0.97
+    assert seconds < 1.5 * lru_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.25, 0.375, 0.5])
+def test_true_routes_planned_hide_most_of_lrus_loads(folder, store, budget):
+    """The oracle (true routes, two layers ahead, into the next token's first layers) through the planner: loads
+    move ahead of the pass, none wasted, no more of them than LRU makes; most of LRU's on-demand loads are gone.
+    What is left: the first layer at 25% (2 slots, top-2: both hold the current token's experts, which a prefetch
+    never evicts), the planner's first steps (its calibration starts at a 25% prior) and loads arriving late
+    (two layers of lead, 1 ms each, for 2.35 ms transfers queued behind each other)."""
+    lru_tokens, lru_s, lru, _, trace, t = _decode(folder, store, budget, planned=False, trace=True)
+    # the planner's choices with the predictor always running (whether it pays for itself: the governor's test)
+    tokens, _, s, decisions, _, _ = _decode(folder, store, budget, Oracle(trace, lookahead=2), governed=False)
+    assert tokens == lru_tokens and decisions["loaded"] > 0 and s.total("prefetch_wasted") == 0
+    assert s.misses + s.total("prefetch_loads") <= lru.misses
+    assert s.misses <= 0.65 * lru.misses
+    compute = lru_s - lru.stall_s
+    ceiling = modelled_s(compute, lru, t) / max(compute, lru.misses * t)
+    assert modelled_s(compute, lru, t) / (compute + s.stall_s) > 1.0 and ceiling > 1.0
+
+
+class CostlyOracle(Oracle):
+    """True routes that cost ``burn_s`` of wall time per layer it predicts from, governed as the other predictors
+    are (the plain oracle, a bound, always predicts)."""
+
+    def __init__(self, trace, burn_s: float):
+        super().__init__(trace, lookahead=2)
+        self.burn_s, self.calls = burn_s, 0
+
+    def on_layer(self, layer, x):
+        if self.cache.planner.wants(layer):
+            time.sleep(self.burn_s)
+            self.calls += 1
+            super().on_layer(layer, x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_a_predictor_that_costs_more_than_it_saves_is_turned_off(folder, store, budget):
+    """True routes at 3 ms a layer (12 ms a step, against at most a few 2.35 ms transfers saved): the
+    governor measures the cost and the savings, stops predicting and probes within 2% of the time; throughput in
+    the link model (compute + the predictions' own time + waited loads) within 3% of LRU's."""
+    lru_tokens, lru_s, lru, _, trace, t = _decode(folder, store, budget, planned=False, trace=True, tokens=48)
+    oracle = CostlyOracle(trace, burn_s=0.003)
+    tokens, _, s, _, _, _ = _decode(folder, store, budget, oracle, tokens=48)
+    assert tokens == lru_tokens
+    gov = oracle.cache.planner.governor.summary()
+    assert gov["cost_ms"] > gov["savings_ms"] and gov["on"] <= 0.15 * (gov["on"] + gov["off"]), gov
+    compute = lru_s - lru.stall_s
+    own = oracle.calls * oracle.burn_s
+    assert modelled_s(compute, lru, t) / (modelled_s(compute, s, t) + own) >= 0.97, (gov, own, s.misses, lru.misses)

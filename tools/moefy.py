@@ -71,6 +71,7 @@ class MoefyConfig:
     corpus: CorpusPaths = field(default_factory=CorpusPaths)
     tokens: int = 16384  # corpus tokens the grouping and routers learn from
     heldout_tokens: int = 4096  # held-out tokens for the quality check
+    train_ids: int = 65536  # corpus tokens (held-out documents excluded) saved as train.npy, for adapters to learn from
     seq_len: int = 256
     batch: int = 8  # sequences per forward
     cluster_tokens: int = 4096  # tokens whose activations group the neurons
@@ -125,6 +126,17 @@ def corpus_ids(tokenizer, docs: list[str], train_tokens: int, heldout_tokens: in
             "lower --tokens and --heldout-tokens, or give more --text"
         )
     return tuple(np.array(s[: (w // seq_len) * seq_len], np.int32).reshape(-1, seq_len) for s, w in zip(sets, want))
+
+
+def more_ids(tokenizer, docs: list[str], config: MoefyConfig, train: np.ndarray) -> np.ndarray:
+    """Up to ``config.train_ids`` training tokens, from the same documents in the same order (the held-out ones
+    left out), for what trains on the model later (its adapters); the grouping's own tokens where there are no more."""
+    if config.train_ids <= train.size:
+        return train
+    try:
+        return corpus_ids(tokenizer, docs, config.train_ids, config.heldout_tokens, config.seq_len, config.seed)[0]
+    except M2R2Error:  # a small corpus
+        return train
 
 
 # ---------------------------------------------------------------- quality
@@ -198,6 +210,7 @@ def build(config: MoefyConfig) -> dict:
         atomic_write_text(tmp / "config.json", json.dumps(new_cfg, indent=1))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         atomic_save_npy(tmp / "heldout.npy", heldout.reshape(-1))
+        atomic_save_npy(tmp / "train.npy", more_ids(dense.tokenizer, docs, config, train).reshape(-1))
         if config.evaluate:
             record["quality"] = compare(dense, tmp, heldout, n_layers)
         atomic_write_text(tmp / "moefy.json", json.dumps(record, indent=1))
@@ -276,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=int, default=16384, help="corpus tokens the grouping and routers learn from")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for the quality check")
+    p.add_argument(
+        "--train-ids", type=int, default=65536, help="training tokens saved as train.npy (for adapters to learn from)"
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8, help="sequences per forward")
     p.add_argument("--cluster-tokens", type=int, default=4096, help="tokens whose activations group the neurons")
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus=corpus_paths(args.fortunes, args.python_docs, args.npm_root),
         tokens=args.tokens,
         heldout_tokens=args.heldout_tokens,
+        train_ids=args.train_ids,
         seq_len=args.seq_len,
         batch=args.batch,
         cluster_tokens=args.cluster_tokens,

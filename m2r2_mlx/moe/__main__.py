@@ -1,14 +1,18 @@
-"""python -m m2r2_mlx.moe export --model MODEL -o FOLDER [--force] | verify FOLDER"""
+"""python -m m2r2_mlx.moe export --model MODEL -o FOLDER [--force] | verify FOLDER
+python -m m2r2_mlx.moe adapters --model MODEL -o FOLDER (--text FILE ... | --ids IDS.npy) [--init ADAPTERS]"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 
-from ..errors import run_cli
+from ..errors import M2R2Error, run_cli
 from ..models.registry import load_model
+from .router_adapters import RouterAdaptersSpec, train_router_adapters
+from .router_target import RouterTargetConfig
 from .store import ExpertStore
 
 PROG = "python -m m2r2_mlx.moe"
@@ -23,13 +27,62 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="replace an existing folder")
     v = sub.add_parser("verify", help="check every expert's checksum in a store folder")
     v.add_argument("folder")
+    a = sub.add_parser("adapters", help="train M2R2 adapters on an MoE to predict its routing (docs/moe.md)")
+    a.add_argument("--model", required=True, help="an mlx-lm MoE: alias, repo id or folder")
+    a.add_argument("-o", "--out", type=Path, required=True, help="adapters folder to write")
+    a.add_argument("--text", nargs="+", default=[], metavar="FILE", help="plain text files to train on")
+    a.add_argument("--ids", type=Path, default=None, help="or token ids (.npy) to train on")
+    a.add_argument("--heldout", type=Path, default=None, help="token ids (.npy) to evaluate on")
+    a.add_argument("--init", type=Path, default=None, help="warm start from this adapters folder")
+    a.add_argument("--gates", default=None, help="new adapters' gates, comma-separated (default: every --every)")
+    a.add_argument("--every", type=int, default=6)
+    a.add_argument("--rank", type=int, default=32)
+    a.add_argument("--seq-len", type=int, default=128)
+    a.add_argument("--tokens", type=int, default=65536, help="most training tokens read")
+    a.add_argument("--steps", type=int, default=RouterTargetConfig.steps)
+    a.add_argument("--lr", type=float, default=RouterTargetConfig.lr)
+    a.add_argument("--batch-size", type=int, default=RouterTargetConfig.batch_size)
+    a.add_argument("--temperature", type=float, default=RouterTargetConfig.temperature)
+    a.add_argument("--force", action="store_true", help="replace an existing folder")
     return p
+
+
+def _gates(text: str | None) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(g) for g in text.split(",")) if text else None
+    except ValueError:
+        raise M2R2Error(f"--gates takes comma-separated layer counts, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> None:
+        if args.command == "adapters":
+            spec = RouterAdaptersSpec(
+                out=args.out,
+                text=tuple(args.text),
+                ids=args.ids,
+                heldout=args.heldout,
+                init=args.init,
+                gates=_gates(args.gates),
+                every=args.every,
+                rank=args.rank,
+                seq_len=args.seq_len,
+                tokens=args.tokens,
+                train=RouterTargetConfig(args.steps, args.lr, args.batch_size, args.temperature),
+                force=args.force,
+            )
+            spec.check()  # before the model loads
+            record = train_router_adapters(load_model(args.model), spec)
+            before, after = record["before"], record["after"]
+            print(
+                f"{args.out}: held-out recall of the next interval's experts {before['recall_next_interval']:.1%} -> "
+                f"{after['recall_next_interval']:.1%} (pre-gating, next layer: "
+                f"{after['pregating_recall_next_layer']:.1%}); loss {record['heldout_loss'][0]:.4f} -> "
+                f"{record['heldout_loss'][1]:.4f}"
+            )
+            return
         if args.command == "export":
             model = load_model(args.model, tokenizer=False).model  # lazy: read one layer at a time
             store = ExpertStore.export(model, args.out, force=args.force)

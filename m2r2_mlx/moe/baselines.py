@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import M2R2Error
+from .blocks import top_scored
 from .cache import ExpertCache
 
 
@@ -57,14 +58,21 @@ class LookaheadPredictor:
             self.cache = None
 
     def on_layer(self, layer: int, x: mx.array) -> None:
+        planner = self.cache.planner
         for target in self.cache.next_layers(layer, self.lookahead):
-            experts = self.predict(target, x)
+            if planner is not None and not planner.wants(target):
+                continue  # its predictions have not been paying: save the work (the planner probes now and then)
+            experts, scores = self.predict_scored(target, x)
             if experts:
-                self.cache.prefetch(target, experts)
+                self.cache.prefetch(target, experts, scores=scores)
 
     def predict(self, layer: int, x: mx.array) -> list[int]:
         """Experts ``layer`` is expected to use at this step, most likely first."""
         raise NotImplementedError
+
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
+        """``predict``'s experts and, where the predictor has them, its probability of every expert (None: none)."""
+        return self.predict(layer, x), None
 
 
 def _by_votes(ids: np.ndarray) -> list[int]:
@@ -87,6 +95,11 @@ class PreGating(LookaheadPredictor):
     def predict(self, layer: int, x: mx.array) -> list[int]:
         return _by_votes(np.array(self.cache.routers[layer](x)))
 
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
+        if x.shape[0] != 1 or layer not in self.cache.scorers:
+            return self.predict(layer, x), None
+        return top_scored(np.array(self.cache.scorers[layer](x))[0], self.cache.top_k(layer))
+
 
 class ShuffledControl(PreGating):
     """As many experts as pre-gating predicts, drawn at random with a fixed seed."""
@@ -99,9 +112,16 @@ class ShuffledControl(PreGating):
         n = len(super().predict(layer, x))
         return [int(e) for e in self.rng.choice(self.cache.num_experts(layer), size=n, replace=False)]
 
+    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
+        return self.predict(layer, x), None
+
 
 class Oracle(LookaheadPredictor):
-    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run."""
+    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run.
+
+    Unlike the other predictors it also looks past the last layer, into the next step's first layers (the true
+    routes of the next token are known to it): so no layer is left to load on demand, and it bounds what any
+    predictor can hide."""
 
     def __init__(self, trace: dict[tuple[int, int], list[int]], lookahead: int = 1):
         super().__init__(lookahead)
@@ -109,3 +129,10 @@ class Oracle(LookaheadPredictor):
 
     def predict(self, layer: int, x: mx.array) -> list[int]:
         return list(self.trace.get((self.cache.step, layer), []))
+
+    def on_layer(self, layer: int, x: mx.array) -> None:
+        cache, n = self.cache, len(self.cache.layers)
+        for j in range(cache.ordinal(layer) + 1, cache.ordinal(layer) + 1 + self.lookahead):
+            step, target = cache.step + j // n, cache.layers[j % n]
+            if experts := self.trace.get((step, target)):
+                cache.prefetch(target, experts, step=step)

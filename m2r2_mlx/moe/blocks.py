@@ -67,3 +67,19 @@ def router(block: nn.Module) -> Callable[[mx.array], mx.array] | None:
         return mx.argpartition(-gate(x), kth=k - 1, axis=-1)[..., :k]
 
     return route
+
+
+def router_scores(block: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """x (tokens, D) -> the router's probability of each expert (softmax of its logits; its top-k are the experts
+    ``router`` picks), or None for unknown gates. What a predictor's confidence in an expert is read from."""
+    gate = getattr(block, "gate", None)
+    if top_k(block) is None or not isinstance(gate, nn.Linear):
+        return None
+    return lambda x: mx.softmax(gate(x).astype(mx.float32), axis=-1)
+
+
+def top_scored(probs, k: int):
+    """The ``k`` most probable experts of one token's router probabilities (numpy, (E,)), most probable first, and
+    the probabilities themselves: what a predictor passes to ``cache.prefetch`` (experts, scores)."""
+    order = probs.argsort()[::-1][:k]
+    return [int(e) for e in order], probs

@@ -13,7 +13,6 @@ buffers are copied into slots by the compute thread at the next ``ensure``.
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
@@ -21,79 +20,14 @@ from typing import Callable, Iterable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from ..errors import M2R2Error
+from .budget import human, parse_budget, resolve_slots
 from .link import Link
 from .policies import make_policy
 from .stats import CacheStats
 from .store import ExpertStore
 
 Listener = Callable[[int, mx.array], None]
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_budget(budget: float | int | str) -> tuple[str, float]:
-    """("fraction", f) or ("bytes", n) from 0.5 / "50%" (fractions of all experts) or 2_000_000 / "2GB" / "1.5GiB".
-
-    A float is a fraction, an int a byte count; in a string a bare number up to 1 is a fraction.
-    """
-    bad = M2R2Error(f"expert budget {budget!r} is not a fraction of the experts (0.5 or 50%) or a size (2GB, 512MiB)")
-    if isinstance(budget, bool):
-        raise bad
-    if isinstance(budget, str):
-        text = budget.strip()
-        try:
-            if text.endswith("%"):
-                kind, value = "fraction", float(text[:-1]) / 100
-            elif (m := _SIZE.match(text)) is not None:
-                unit = m.group(2).lower().rstrip("b") or "b"
-                kind, value = "bytes", float(m.group(1)) * _UNITS[unit]
-            else:
-                value = float(text)
-                kind = "fraction" if value <= 1 else "bytes"
-        except ValueError:
-            raise bad from None
-    elif isinstance(budget, float):
-        kind, value = "fraction", budget
-    elif isinstance(budget, int):
-        kind, value = "bytes", budget
-    else:
-        raise bad
-    if not value > 0 or (kind == "fraction" and value > 1):
-        raise M2R2Error(f"expert budget {budget!r} must be above 0 and at most 100% of the experts")
-    return kind, value
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return ""
-
-
-def resolve_slots(budget: float | int | str, store: ExpertStore) -> dict[int, int]:
-    """Slots per MoE layer for a budget, spread evenly over layers; refuses budgets below top-k."""
-    kind, value = parse_budget(budget)
-    layers = store.layers
-    row = sum(store.expert_bytes(l) for l in layers)  # one slot in every layer
-    if kind == "fraction":  # the epsilon keeps exact fractions exact (12.5% of 64 experts = 8 slots)
-        slots = {l: min(store.num_experts(l), int(value * store.num_experts(l) + 1e-9)) for l in layers}
-    else:
-        slots = {l: min(store.num_experts(l), int(value // row)) for l in layers}
-    need = {l: store.top_k(l) or 1 for l in layers}
-    short = [l for l in layers if slots[l] < need[l]]
-    if short:
-        l = short[0]
-        min_fraction = max(need[l] / store.num_experts(l) for l in layers)
-        min_bytes = max(need.values()) * row
-        raise M2R2Error(
-            f"expert budget {budget!r} holds {slots[l]} of {store.num_experts(l)} experts in layer {l}, but each "
-            f"token is routed to {need[l]}: the minimum is {min_fraction:.1%} of the experts "
-            f"({min_bytes} bytes, {_human(min_bytes)})"
-        )
-    return slots
+__all__ = ["ExpertCache", "parse_budget", "resolve_slots"]
 
 
 class ExpertCache:
@@ -116,11 +50,15 @@ class ExpertCache:
         self._maps: dict[int, mx.array] = {}
         self._dirty: set[int] = set()
         self._unused_prefetch: dict[int, set[int]] = {l: set() for l in self.layers}
+        self._evicted_ahead: dict[int, set[int]] = {l: set() for l in self.layers}  # evicted by a prefetch, not back
         self._protected: tuple[int | None, set[int]] = (None, set())
         self._predictions: dict[tuple[int, int], set[int]] = {}
         self.routers: dict[int, Callable[[mx.array], mx.array]] = {}  # filled by offload_experts
+        self.scorers: dict[int, Callable[[mx.array], mx.array]] = {}  # x -> router probabilities (blocks.py)
         self.listeners: list[Listener] = []
         self.prefetcher = None  # a Prefetcher registers itself here
+        self.planner = None  # a PrefetchPlanner (planner.py) decides which predictions load, and what they evict
+        self.tokens_now = 0  # tokens in the forward pass now
         self.stats = CacheStats()
         self.trace: dict[tuple[int, int], list[int]] | None = None  # set to {} to record experts used per (step, layer)
         self.step = -1
@@ -158,6 +96,23 @@ class ExpertCache:
             self._maps[layer] = mx.array(np.maximum(self._slot_of[layer], 0))
         return self._maps[layer]
 
+    def ordinal(self, layer: int) -> int:
+        """The position of ``layer`` among the MoE layers (0 for the first)."""
+        return self._ordinal[layer]
+
+    @property
+    def predictions(self) -> dict[tuple[int, int], set[int]]:
+        """(step, layer) -> experts predicted for it and not yet scored."""
+        return self._predictions
+
+    def in_flight(self, layer: int, expert: int) -> bool:
+        """Whether the background loader holds a load of ``expert`` into ``layer`` (queued, reading or arrived)."""
+        return self.prefetcher is not None and self.prefetcher.holds(layer, expert)
+
+    def pending_loads(self, layer: int) -> int:
+        """Loads into ``layer`` the background loader holds, not yet in a slot."""
+        return 0 if self.prefetcher is None else self.prefetcher.count(layer)
+
     def next_layers(self, layer: int, n: int = 1) -> list[int]:
         """The ``n`` MoE layers after ``layer``."""
         i = self._ordinal[layer]
@@ -172,7 +127,7 @@ class ExpertCache:
         e = sorted({self.num_experts(l) for l in self.layers})
         return (
             f"experts: budget {self.budget!r}, {'/'.join(map(str, s))} of {'/'.join(map(str, e))} per layer "
-            f"({_human(self.resident_bytes)}), {self.policy_name}, {self.link!r}"
+            f"({human(self.resident_bytes)}), {self.policy_name}, {self.link!r}"
         )
 
     # -- the forward pass ------------------------------------------------------------------
@@ -192,6 +147,9 @@ class ExpertCache:
             self.stats.tokens += x.shape[0]
             self._predictions = {k: v for k, v in self._predictions.items() if k[0] >= self.step}
         self.position = (self.step, self._ordinal[layer])
+        self.tokens_now = x.shape[0]
+        if self.planner is not None:
+            self.planner.observe(self.step, layer, needed, x.shape[0])
         for listener in list(self.listeners):
             listener(layer, x)
         predicted = self._predictions.pop((self.step, layer), None)
@@ -241,6 +199,7 @@ class ExpertCache:
                         st.prefetch_hits += 1
                 else:
                     st.misses += 1
+                    st.evicted_ahead_missed += e in self._evicted_ahead[layer]
                     st.bytes_on_demand += self.store.expert_bytes(layer)
                     self._install(layer, e, self.fetch(layer, e))
                 self.policies[layer].used(e)
@@ -265,16 +224,20 @@ class ExpertCache:
 
     # -- predictions and prefetching -------------------------------------------------------
 
-    def prefetch(self, layer: int, experts: Iterable[int], step: int | None = None) -> None:
+    def prefetch(self, layer: int, experts: Iterable[int], step: int | None = None, scores=None) -> None:
         """Predict that ``layer`` will use ``experts`` at ``step`` (default: the current one) and bring them in.
 
         The prediction is scored against the experts really used (precision/recall). Loads go
         to the background ``Prefetcher`` if one is attached, else happen now (and stall).
-        At most S experts per request are loaded (more could not all stay resident).
+        At most S experts per request are loaded (more could not all stay resident). With a
+        ``planner``, only those it expects to pay; ``scores``: the predictor's probability of every
+        expert of the layer (indexed by expert id), where it has them.
         """
         step = self.step if step is None else step
         experts = list(dict.fromkeys(int(e) for e in experts))
         self._predictions.setdefault((step, layer), set()).update(experts)
+        if self.planner is not None:
+            experts = self.planner.select(layer, experts, step, scores)
         wanted = [e for e in experts if not self.is_resident(layer, e)][: self.slots_per_layer[layer]]
         if not wanted:
             return
@@ -348,11 +311,16 @@ class ExpertCache:
         else:
             protected = self._protected[1] if self._protected[0] == layer else set()
             candidates = [int(e) for e in owner if e not in protected]
-            if not candidates:
+            if self.planner is not None and candidates:
+                victim = self.planner.victim(layer, candidates, demand=not prefetched)
+            else:
+                victim = self.policies[layer].victim(candidates) if candidates else None
+            if victim is None:
                 return False
-            victim = self.policies[layer].victim(candidates)
             slot = int(slot_of[victim])
             slot_of[victim] = -1
+            if prefetched:
+                self._evicted_ahead[layer].add(victim)
             if victim in self._unused_prefetch[layer]:
                 self._unused_prefetch[layer].discard(victim)
                 self.stats.layer(layer).prefetch_wasted += 1
@@ -360,6 +328,7 @@ class ExpertCache:
         for name, a in self.store.to_mlx(layer, arrays).items():
             slots[name][slot] = a  # in place: the slot tensor keeps its shape and its buffer
         owner[slot], slot_of[expert] = expert, slot
+        self._evicted_ahead[layer].discard(expert)
         self.policies[layer].inserted(expert)
         if prefetched:
             self._unused_prefetch[layer].add(expert)

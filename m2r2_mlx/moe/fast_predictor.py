@@ -27,7 +27,7 @@ import numpy as np
 
 from ..core.fast_stream import M2R2Model, SlowKVView
 from ..errors import M2R2Error
-from .blocks import moe_blocks
+from .blocks import moe_blocks, top_scored
 from .cache import ExpertCache
 
 
@@ -119,6 +119,9 @@ class FastStreamPredictor:
         if h.shape[1] != 1 or any(self.caches.get(i) is None for i in range(*self.starts[start])):
             return  # prompts load on demand; decode steps are what ahead-of-time loading is for
         _, stop = self.starts[start]
+        planner = self.cache.planner
+        if planner is not None and not any(planner.wants(t) for t in self.targets(stop)):
+            return  # none of this exit's predictions has been paying: no run ahead (probed now and then)
         self.running = True
         try:
             exit_state = self._run_fast(h, start, stop)
@@ -128,7 +131,8 @@ class FastStreamPredictor:
         step = self.cache.step + (0 if self.cache.layers[0] < start else 1)
         for t in self.targets(stop):
             x = self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1)
-            self.cache.prefetch(t, [int(e) for e in np.array(self.cache.routers[t](x))[0]], step)
+            experts, scores = top_scored(np.array(self.cache.scorers[t](x))[0], self.cache.top_k(t))
+            self.cache.prefetch(t, experts, step, scores)
 
     def _run_fast(self, h: mx.array, start: int, stop: int) -> mx.array:
         views = {i: SlowKVView(self.caches[i]) for i in range(start, stop)}

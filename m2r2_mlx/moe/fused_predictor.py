@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
-from .blocks import moe_blocks
+from .blocks import moe_blocks, top_scored
 from .cache import ExpertCache
 from .fast_predictor import LayerTap
 
@@ -128,7 +128,10 @@ class FusedPredictor:
     def step_layer(self, i: int, h: mx.array, mask, kv) -> mx.array | None:
         """Layer ``i`` of a decode step: fused with the fast row inside a predicting interval, else None."""
         if i in self.start_of:
-            self.fast = self.m2r2.start_state(self.start_of[i], h, self.h_prev)
+            j, planner = self.start_of[i], self.cache.planner
+            wanted = planner is None or any(planner.wants(t) for t in self.targets[self.intervals[j][1]])
+            # where none of its exit's predictions has been paying, the fast row does not run (probed now and then)
+            self.fast = self.m2r2.start_state(j, h, self.h_prev) if wanted else None
         if self.fast is None:
             return None
         self.inside, self.cache.fused_rows = True, 1
@@ -145,9 +148,10 @@ class FusedPredictor:
     def predict(self, targets: list[int], exit_state: mx.array) -> None:
         """The exit state through each target layer's router; loads queued in layer order (order of need)."""
         picks = [
-            self.cache.routers[t](self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1))
+            self.cache.scorers[t](self.parts.layers[t].layer.post_attention_layernorm(exit_state).reshape(1, -1))
             for t in targets
         ]
         mx.eval(picks)
         for t, p in zip(targets, picks):
-            self.cache.prefetch(t, [int(e) for e in np.array(p)[0]])
+            experts, scores = top_scored(np.array(p)[0], self.cache.top_k(t))
+            self.cache.prefetch(t, experts, scores=scores)

@@ -10,7 +10,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import M2R2Error
-from .blocks import expert_params, module_path, moe_blocks, router
+from .blocks import expert_params, module_path, moe_blocks, router, router_scores
 from .cache import ExpertCache
 from .link import Link
 from .store import ExpertStore, mlx_dtype
@@ -117,8 +117,8 @@ def offload_experts(
         inner = block.switch_mlp
         inner.update(tree_unflatten(list(cache.slots[i].items())))  # the slot tensors themselves, shared
         block.switch_mlp = CachedSwitchGLU(inner, cache, i)
-        route = router(block)
+        route, scores = router(block), router_scores(block)
         if route is not None:
-            cache.routers[i] = route
+            cache.routers[i], cache.scorers[i] = route, scores
     mx.clear_cache()
     return cache

@@ -53,6 +53,7 @@ class PredictorEntry:
     needs_trace: bool = False  # replays a recorded run: for measurements only
     control: bool = False  # a baseline that measurements compare against, of no use when serving
     loads_ahead: bool = True  # needs the background loader (a Prefetcher) beside it
+    planned: bool = False  # a PrefetchPlanner (planner.py) loads only the predictions expected to pay
 
 
 PREDICTORS: dict[str, PredictorEntry] = {
@@ -65,19 +66,29 @@ PREDICTORS: dict[str, PredictorEntry] = {
             lambda i: PreGating(),
         ),
         PredictorEntry(
+            "pregating-planned",
+            "pre-gating (next layer), planned",
+            "pre-gating's predictions, loaded only where the prefetch planner expects them to pay",
+            lambda i: PreGating(),
+            planned=True,
+        ),
+        PredictorEntry(
             "m2r2",
             "M2R2 ahead-of-time",
             "M2R2's fast stream runs each gate interval ahead of the slow one; its exit state feeds the next "
-            "interval's routers (needs adapters for the model)",
+            "interval's routers; planned (needs adapters for the model)",
             lambda i: FastStreamPredictor(i.m2r2, intervals=i.intervals),
             needs_adapters=True,
+            planned=True,
         ),
         PredictorEntry(
             "m2r2-fused",
             "M2R2 ahead-of-time, fused rows",
-            "M2R2's fast stream as a second row of the slow stream's own layer calls (needs bottleneck adapters)",
+            "M2R2's fast stream as a second row of the slow stream's own layer calls; planned (needs bottleneck "
+            "adapters)",
             lambda i: FusedPredictor(i.m2r2),
             needs_adapters=True,
+            planned=True,
         ),
         PredictorEntry(
             "shuffled",
@@ -87,12 +98,29 @@ PREDICTORS: dict[str, PredictorEntry] = {
             control=True,
         ),
         PredictorEntry(
+            "shuffled-planned",
+            "shuffled control, planned",
+            "the shuffled control's random experts through the prefetch planner: it should load (almost) nothing",
+            lambda i: ShuffledControl(seed=0),
+            control=True,
+            planned=True,
+        ),
+        PredictorEntry(
             "oracle",
             "oracle (recorded run)",
             "the experts a previous identical run used (its cache.trace): the upper bound",
             lambda i: Oracle(i.trace),
             needs_trace=True,
             control=True,
+        ),
+        PredictorEntry(
+            "oracle-planned",
+            "oracle (recorded run), planned",
+            "the recorded run's experts through the prefetch planner: what planned loading approaches",
+            lambda i: Oracle(i.trace),
+            needs_trace=True,
+            control=True,
+            planned=True,
         ),
         PredictorEntry(
             "none",

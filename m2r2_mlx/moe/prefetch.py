@@ -56,6 +56,16 @@ class Prefetcher:
                     self._queue.append((step, layer, e))
             self._cond.notify_all()
 
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether a load of ``expert`` into ``layer`` is queued, being read or arrived and not yet collected."""
+        with self._cond:
+            return (layer, expert) in self._pending or any(r[:2] == (layer, expert) for r in self._ready)
+
+    def count(self, layer: int) -> int:
+        """Loads into ``layer`` queued, being read or arrived and not yet collected."""
+        with self._cond:
+            return sum(l == layer for l, _ in self._pending) + sum(r[0] == layer for r in self._ready)
+
     def collect(self, layer: int, needed: Iterable[int]) -> tuple[list, int, int]:
         """Wait for any of ``needed`` still in flight, then hand over every finished buffer.
 

@@ -19,6 +19,7 @@ from .blocks import moe_blocks
 from .cache import ExpertCache, parse_budget
 from .link import Link
 from .offload import offload_experts
+from .planner import PrefetchPlanner
 from .predictors import Predictor, PredictorInputs, build_predictor, get_predictor
 from .prefetch import Prefetcher
 from .store import ExpertStore
@@ -73,8 +74,11 @@ def attach_predictor(
     ahead. ``m2r2``: the loaded adapters, for the M2R2 predictors; ``intervals``: how many gate intervals the
     run-ahead fast stream runs in (default all); ``trace``: the recorded run the oracle replays."""
     built = build_predictor(predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace))
-    if get_predictor(predictor).loads_ahead:
+    entry = get_predictor(predictor)
+    if entry.loads_ahead:
         Prefetcher(cache)
+    if entry.planned:
+        PrefetchPlanner().attach(cache)
     return built.attach(cache)
 
 

@@ -22,6 +22,7 @@ class LayerStats:
     prefetch_hits: int = 0  # prefetched experts later used (counted once, at the first use)
     prefetch_wasted: int = 0  # prefetched experts evicted unused, or already resident on arrival
     late_prefetches: int = 0  # needed experts still in flight: the pass waited for the prefetcher
+    evicted_ahead_missed: int = 0  # experts a prefetch evicted that a later pass then loaded on demand
     predicted: int = 0  # predicted (step, layer, expert) triples that were later checked
     predicted_used: int = 0  # ... of which the layer really used the expert
     used_when_predicted: int = 0  # experts used at (step, layer) pairs that had a prediction
