@@ -23,3 +23,9 @@ def france_prompt(lm):
 def hub(tmp_path, monkeypatch):
     """An offline fake Hugging Face Hub (tests/fake_hub.py): uploads land where downloads are read from."""
     return fake_hub(tmp_path, monkeypatch)
+
+
+def slow_after_first(cases: list) -> list:
+    """A parametrized bad-input table: the first case runs in the quick suite, the rest (each a subprocess that
+    imports mlx, ~3 s) only in the full one."""
+    return [cases[0], *(pytest.param(*c, marks=pytest.mark.slow) for c in cases[1:])]

@@ -42,6 +42,7 @@ def test_written_once_then_reused(lm, home, monkeypatch):
     assert len(seen) == 1 and again.profile == first.profile and again.path == first.path
 
 
+@pytest.mark.slow
 def test_a_changed_model_or_blas_is_measured_anew(lm, home, monkeypatch):
     seen = _measurements(monkeypatch)
     path = calibration.calibrate(lm).path

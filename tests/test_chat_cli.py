@@ -5,6 +5,8 @@ import subprocess
 
 import pytest
 
+from .conftest import slow_after_first
+
 EXE = shutil.which("m2r2-chat")
 
 
@@ -50,16 +52,18 @@ def test_draft_and_verify_modes_answer_like_plain():
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.parametrize(
     "extra, message",
-    [
-        (["--gate", "7"], "not one of the adapters' gates"),
-        (["--threshold", "2"], "--threshold must be in [0, 1]"),
-        (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
-        (["--draft", "0"], "--draft must be at least 1"),
-        (["--threshold", "nan"], "--threshold must be in [0, 1]"),
-        (["--tree-width", "9"], "--tree-width must be in 1..8"),
-        (["--policy", "sometimes"], "--policy must be one of"),
-        (["--adapters", "/no/such/dir"], "not found"),
-    ],
+    slow_after_first(
+        [
+            (["--gate", "7"], "not one of the adapters' gates"),
+            (["--threshold", "2"], "--threshold must be in [0, 1]"),
+            (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
+            (["--draft", "0"], "--draft must be at least 1"),
+            (["--threshold", "nan"], "--threshold must be in [0, 1]"),
+            (["--tree-width", "9"], "--tree-width must be in 1..8"),
+            (["--policy", "sometimes"], "--policy must be one of"),
+            (["--adapters", "/no/such/dir"], "not found"),
+        ]
+    ),
 )
 def test_speculative_mode_bad_input(extra, message):
     r = subprocess.run(

@@ -22,6 +22,8 @@ from m2r2_server.protocol import RequestError, parse_request
 from m2r2_server.worker import ModelWorker
 from tests.conftest import FRANCE
 
+from .conftest import slow_after_first
+
 
 def _tokens(lm, prompt, n, **cache_options):
     cache = PromptCache(lm.model, **cache_options)
@@ -69,13 +71,15 @@ def _chat(*args):
 
 @pytest.mark.parametrize(
     "args, message",
-    [
-        (["--kv-bits", "4", "--mode", "speculative"], "--kv-bits works with --mode plain only"),
-        (["--max-kv-size", "256", "--mode", "early-exit"], "--max-kv-size works with --mode plain only"),
-        (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
-        (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
-        (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
-    ],
+    slow_after_first(
+        [
+            (["--kv-bits", "4", "--mode", "speculative"], "--kv-bits works with --mode plain only"),
+            (["--max-kv-size", "256", "--mode", "early-exit"], "--max-kv-size works with --mode plain only"),
+            (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
+            (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
+            (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
+        ]
+    ),
 )
 def test_bad_kv_options_are_one_line(args, message):
     r = _chat(*args)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
+from m2r2_mlx.core.integrity import record_hashes
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe.router_adapters import RouterAdaptersSpec, train_router_adapters
 from m2r2_mlx.moe.router_target import RouterTarget, RouterTargetConfig, exit_targets
@@ -75,6 +76,7 @@ def test_the_folder_round_trips_through_load_adapters(tmp_path):
         train_router_adapters(lm, spec, progress=False)
 
 
+@pytest.mark.slow  # (subprocesses)
 def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(M2R2Error, match="needs a mixture-of-experts base"):
         RouterTarget(new_m2r2(tiny_model("llama"), gates=[2, 4], rank=4))
@@ -114,6 +116,7 @@ def test_a_warm_start_keeps_the_init_folders_other_files(tmp_path):
     lm = tiny_model("olmoe")
     save_adapters(new_m2r2(lm, gates=[2, 4], rank=8), tmp_path / "init")
     (tmp_path / "init" / "draft_vocab.json").write_text("[1, 2, 3]")  # an exit vocabulary travels with its adapters
+    record_hashes(tmp_path / "init")  # (a file added to a folder is recorded, as the integrity check asks)
     ids = tmp_path / "ids.npy"
     np.save(ids, ROWS.reshape(-1))
     spec = RouterAdaptersSpec(

@@ -9,6 +9,8 @@ from m2r2_mlx.models.registry import ALIASES, load_model, resolve_model_path
 
 import pytest
 
+from .conftest import slow_after_first
+
 
 def test_aliases_name_the_agreed_models():
     """Mac users' aliases are the 4-bit MLX conversions; the full-precision checkpoints keep explicit names."""
@@ -79,12 +81,14 @@ def test_hub_alias_offline_is_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     "args, message",
-    [
-        (["--model", "nosuch"], "unknown model"),
-        (["--model", "./no/such/folder"], "not found"),
-        (["--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
-        (["--temp", "-1", "--prompt", "x"], "--temp"),
-    ],
+    slow_after_first(
+        [
+            (["--model", "nosuch"], "unknown model"),
+            (["--model", "./no/such/folder"], "not found"),
+            (["--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
+            (["--temp", "-1", "--prompt", "x"], "--temp"),
+        ]
+    ),
 )
 def test_cli_bad_input_is_one_line(args, message):
     r = _cli(*args)

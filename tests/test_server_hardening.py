@@ -89,6 +89,7 @@ def test_http_servers_own_refusals_and_other_methods_are_openai_errors(server):
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_body_that_stalls_is_a_408_after_the_timeout(server):
     sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30)
     sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"messages"')

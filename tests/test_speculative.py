@@ -28,8 +28,8 @@ def tiny_m2r2(lm):
     return m
 
 
-@pytest.mark.parametrize("gate_index", [0, 1, 2])
-@pytest.mark.parametrize("max_draft", [1, 3, 7])
+@pytest.mark.parametrize("gate_index", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("max_draft", [1, 3, pytest.param(7, marks=pytest.mark.slow)])
 def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
     model, tok = tiny_m2r2.base, lm.tokenizer
     for prompt in _prompts(6, seed=gate_index * 10 + max_draft):
