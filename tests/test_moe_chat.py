@@ -1,21 +1,17 @@
 """m2r2-chat on an MoE model within an expert memory budget: same answer, expert stats shown."""
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
 
-from m2r2_mlx.models.registry import resolve_model_path
-
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from textual.widgets import Static
 
 from m2r2_tui.app import ChatApp
 from tests.test_tui import _ask, _setup
-from tests.tiny import tiny_model
+from tests.tiny import tiny_olmoe_folder
 
 EXE = shutil.which("m2r2-chat")
 
@@ -23,17 +19,7 @@ EXE = shutil.which("m2r2-chat")
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory):
     """A tiny random OLMoE with the embedded model's real tokenizer: a real folder m2r2-chat loads."""
-    folder = tmp_path_factory.mktemp("models") / "tiny-olmoe-chat"
-    folder.mkdir()
-    smol = resolve_model_path(None)
-    for f in smol.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
-            shutil.copy(f, folder / f.name)
-    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
-    lm = tiny_model("olmoe", vocab_size=vocab, num_hidden_layers=4)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
-    (folder / "config.json").write_text(json.dumps(lm.config))
-    return folder
+    return tiny_olmoe_folder(tmp_path_factory.mktemp("models") / "tiny-olmoe-chat")
 
 
 def _chat(folder, *extra, home):

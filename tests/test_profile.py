@@ -4,13 +4,10 @@ steady, profiling changes no token, and bad input is one line each."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 from m2r2_mlx.decoding.options import DecodingOptions
-from m2r2_mlx.models.registry import resolve_model_path
 
-import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
@@ -20,7 +17,7 @@ from m2r2_profiler.probe import stream_bandwidth
 from m2r2_profiler.report import markdown, summary
 from m2r2_profiler.session import run_profile
 from m2r2_profiler.trace import trace_document
-from tests.tiny import tiny_model
+from tests.tiny import tiny_olmoe_folder
 
 PROMPT = "Name three colours of the rainbow."
 
@@ -28,17 +25,7 @@ PROMPT = "Name three colours of the rainbow."
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory):
     """A tiny random OLMoE with the embedded model's tokenizer: a real folder, profiled in a second."""
-    folder = tmp_path_factory.mktemp("models") / "tiny-olmoe-profile"
-    folder.mkdir()
-    smol = resolve_model_path(None)
-    for f in smol.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
-            shutil.copy(f, folder / f.name)
-    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
-    lm = tiny_model("olmoe", vocab_size=vocab, num_hidden_layers=4)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
-    (folder / "config.json").write_text(json.dumps(lm.config))
-    return folder
+    return tiny_olmoe_folder(tmp_path_factory.mktemp("models") / "tiny-olmoe-profile")
 
 
 def config(model, mode="plain", tokens=12, experts=None, adapters=None) -> ProfileConfig:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import json
+import shutil
 from pathlib import Path
 
-from m2r2_mlx.models.registry import LoadedModel
+from m2r2_mlx.models.registry import LoadedModel, resolve_model_path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 COMMON = dict(
     hidden_size=64,
@@ -68,3 +70,19 @@ class EosAs:
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
+
+
+def tiny_olmoe_folder(folder: Path) -> Path:
+    """A tiny random 4-layer OLMoE with the embedded model's real tokenizer, written to ``folder`` as a model folder
+    the CLIs load."""
+
+    folder.mkdir()
+    smol = resolve_model_path(None)
+    for f in smol.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            shutil.copy(f, folder / f.name)
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    lm = tiny_model("olmoe", vocab_size=vocab, num_hidden_layers=4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    (folder / "config.json").write_text(json.dumps(lm.config))
+    return folder
