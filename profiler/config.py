@@ -11,20 +11,12 @@ from m2r2_mlx.decoding.decoders import resolve_for_mode
 from m2r2_mlx.decoding.options import DecodingOptions
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe.cache import parse_budget
+from m2r2_mlx.moe.serve import ExpertBudget
 
 import mlx.core as mx
 
 DEFAULT_PROMPT = "Explain how a CPU cache works, and why it makes programs faster. Keep it short."
 DEFAULT_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class ExpertOptions:
-    """An MoE served within a memory budget (as m2r2-chat's --memory-budget)."""
-
-    budget: str
-    predictor: str = "pregating"
-    link_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -35,7 +27,7 @@ class ProfileConfig:
     prompt: str
     out: Path | None = None  # summaries, the table and the PNG
     trace: Path | None = None  # the Chrome trace-event JSON
-    experts: ExpertOptions | None = None
+    experts: ExpertBudget | None = None
     metal_capture: Path | None = None
     repeats: int = 1  # decodes each way, alternating; the fastest of each is reported
 
@@ -88,7 +80,7 @@ def profile_config(values: dict) -> ProfileConfig:
     experts = None
     if values.get("memory_budget") is not None:
         parse_budget(values["memory_budget"])  # one line for a bad budget, before loading anything
-        experts = ExpertOptions(values["memory_budget"], values["expert_predictor"], values.get("link_gbps"))
+        experts = ExpertBudget(values["memory_budget"], values["expert_predictor"], values.get("link_gbps"))
     model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
     out = Path(values["out"]) if values.get("out") else None
     return ProfileConfig(

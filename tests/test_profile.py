@@ -7,12 +7,13 @@ import json
 import sys
 
 from m2r2_mlx.decoding.options import DecodingOptions
+from m2r2_mlx.moe.serve import ExpertBudget
 
 import pytest
 from mlx.utils import tree_flatten
 
 from m2r2_profiler import cli
-from m2r2_profiler.config import ExpertOptions, ProfileConfig
+from m2r2_profiler.config import ProfileConfig
 from m2r2_profiler.probe import stream_bandwidth
 from m2r2_profiler.report import markdown, summary
 from m2r2_profiler.session import run_profile
@@ -73,7 +74,7 @@ def test_moe_within_a_budget_profiles_its_expert_work(moe_folder, tmp_path, monk
     """On a tiny MoE at 25% of its experts: the same tokens, expert loads and stalls per token, a trace that nests,
     and the model's own classes back afterwards."""
     monkeypatch.setenv("M2R2_HOME", str(tmp_path / "home"))  # the expert store is exported here
-    profile = run_profile(config(moe_folder, experts=ExpertOptions("25%")))
+    profile = run_profile(config(moe_folder, experts=ExpertBudget("25%")))
     assert profile.same_tokens and len(profile.measured.tokens) == 12
     for run in ("unmeasured", "measured"):
         assert profile.experts[run]["loads_per_token"] > 0 and profile.experts[run]["stall_ms_per_token"] >= 0

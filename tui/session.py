@@ -10,17 +10,7 @@ from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.options import DecodingOptions
 from m2r2_mlx.decoding.protocols import Decoder
-from m2r2_mlx.moe.serve import serve_with_budget
-
-
-@dataclass(frozen=True)
-class ExpertBudget:
-    """MoE models within a memory budget (``--memory-budget``): who loads experts ahead of time, and an emulated
-    link's speed."""
-
-    budget: str
-    predictor: str = "pregating"
-    link_gbps: float | None = None
+from m2r2_mlx.moe.serve import ExpertBudget, serve_with_budget
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.adapters import load_adapters
@@ -23,6 +24,16 @@ from .planner import PrefetchPlanner
 from .predictors import Predictor, PredictorInputs, build_predictor, get_predictor
 from .prefetch import Prefetcher
 from .store import ExpertStore
+
+
+@dataclass(frozen=True)
+class ExpertBudget:
+    """MoE models within a memory budget (``--memory-budget``): who loads experts ahead of time, and an emulated
+    link's speed; m2r2-chat's, m2r2-server's and m2r2-profile's."""
+
+    budget: str
+    predictor: str = "pregating"
+    link_gbps: float | None = None
 
 
 def store_folder(lm: LoadedModel) -> Path:
