@@ -109,7 +109,9 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     result = json.loads((out / "moe_bench.json").read_text())
     methods = {(row["method"], row["budget"]) for row in result["rows"]}
     assert methods == {("resident", 100.0)} | {
-        (m, b) for m in ("lru", "pregating", "m2r2", "m2r2-fused", "shuffled") for b in (50.0, 25.0)
+        (m, b)
+        for m in ("lru", "pregating", "pregating-planned", "m2r2", "m2r2-fused", "shuffled", "shuffled-planned")
+        for b in (50.0, 25.0)
     }
     assert all(row["same_as_resident"] for row in result["rows"])
     assert (out / "moe_bench.png").stat().st_size > 0 and "M2R2 ahead-of-time" in (

@@ -64,6 +64,13 @@ def check_trace(profile) -> list[float]:
     return [sum(events[c]["dur"] for c in children[i]) / events[i]["dur"] for i in steps]
 
 
+def assert_steps_covered(shares: list[float]) -> None:
+    """Nearly every step is accounted for by its components. A step the OS preempts (a busy CI runner) has time
+    inside it that no component owns, so one step in ten may fall short; a component left out would show in most."""
+    ordered = sorted(shares)
+    assert ordered[len(ordered) // 2] >= 0.95 and ordered[len(ordered) // 10] >= 0.9, ordered[:4]
+
+
 def test_bandwidth_probe_is_positive_and_steady():
     runs = [stream_bandwidth(mb=128, passes=5) for _ in range(3)]
     assert min(runs) > 0
@@ -148,8 +155,7 @@ def test_components_cover_the_measured_step_on_the_real_model(mode):
     # and the steps to the decode's time on the decoder's own clock (its events' elapsed time)
     assert abs(profile.steps_s / profile.measured.decode_s - 1) <= 0.1, (profile.steps_s, profile.measured.decode_s)
     assert abs(sum(r.seconds for r in profile.rows) - profile.steps_s) < 1e-6
-    shares = check_trace(profile)
-    assert min(shares) >= 0.9, sorted(shares)[:3]
+    assert_steps_covered(check_trace(profile))
     assert profile.roofline.bytes_per_token > 100e6 and 0 < profile.roofline.share < 1.0
     plans = [profile.recorder.spans[s.span].args for s in profile.decode_steps]
     assert all("plan" in a for a in plans) if mode == "speculative" else not any("plan" in a for a in plans)
@@ -163,7 +169,7 @@ def test_early_exit_profiles_the_same_tokens():
     profile = run_profile(config(None, "early-exit", tokens=24))
     assert profile.same_tokens
     assert any(r.component == "exit-rule" for r in profile.rows)
-    assert min(check_trace(profile)) >= 0.9
+    assert_steps_covered(check_trace(profile))
 
 
 @pytest.mark.slow
