@@ -88,6 +88,36 @@ class Acceptance:
             c[1] *= factor
 
 
+@dataclass
+class ShadowChain:
+    """Prompt lookup's chain checked against the tokens plain decoding emits while the planner verifies nothing:
+    what verifying it would have accepted, for free. Greedy verification accepts a proposal exactly when it is the
+    token plain decoding emits next; sampled verification accepts a proposal that came with no distribution with
+    the probability plain decoding emits it. So lookup's rates follow the text through a plain stretch as they do
+    while it verifies, and a span being copied is seen at its first token, not when a probe comes by. One chain
+    at a time, as one verification would test it."""
+
+    tokens: list[int] = field(default_factory=list)
+    signal: float | None = None
+    depth: int = 0
+
+    def open(self, tokens: list[int], signal: float | None) -> None:
+        self.tokens, self.signal, self.depth = list(tokens), signal, 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tokens)
+
+    def resolve(self, token: int) -> tuple[int, float | None, bool]:
+        """The next token emitted: (the depth it tested, the chain's signal, whether it was the proposal). The
+        chain closes at its first miss or its end."""
+        self.depth += 1
+        hit = self.tokens[self.depth - 1] == token
+        if not hit or self.depth == len(self.tokens):
+            self.tokens = []
+        return self.depth, self.signal, hit
+
+
 class Planner:
     """Chooses, each step, which proposals to verify and whether the fast stream drafts."""
 

@@ -29,7 +29,7 @@ from .costs import StepCosts, measure_profile
 from .drafting import MAX_WIDTH, POLICIES, SpecSettings, TreeBuilder
 from .events import TokenEvent
 from .generate import start_decoding
-from .policy import Acceptance, Exploration, Planner
+from .policy import Acceptance, Exploration, Planner, ShadowChain
 from .prompt_cache import PromptCache
 from .protocols import Drafter, DraftRequest
 from .sampling import NextToken, Sampling, next_token, verify_tree
@@ -165,6 +165,21 @@ class Speculator:
         so that the first steps already weigh drafting against what it costs here."""
         self.costs.calibrate(measure_profile(cache, y))
 
+    def _shadow(self, shadow: ShadowChain, context: list[int], limit: int) -> None:
+        """In a plain stretch, after ``context[-1]`` was emitted: resolve lookup's open chain against it, then open
+        the next one from ``context`` (policy.ShadowChain)."""
+        lookup = self.builder.lookup
+        if lookup is None:
+            return
+        if shadow.active:
+            depth, signal, hit = shadow.resolve(context[-1])
+            self.acceptance.observe(lookup.kind, depth, signal, hit)
+            self.explore.tried(lookup.kind)
+        if not shadow.active and limit > 0:
+            found = lookup.continuations(context, min(limit, self.settings.max_draft))
+            if found:
+                shadow.open(*found[0])
+
     # ---- plain stretches ---------------------------------------------------------------------------------
     def _plain_stretch(self, cache: PromptCache, y: int, events, s: Sampling) -> Iterator[TokenEvent]:
         """Plain decoding after ``y``, each step built and queued before the previous token is read (as generate
@@ -185,6 +200,8 @@ class Speculator:
             return token
 
         stretches = self.settings.plain_stretches
+        shadow = ShadowChain()
+        self._shadow(shadow, context, events.max_tokens - events.n - 1)
         start = time.perf_counter()
         pending, tic, first = step(mx.array([y])), None, True
         while True:
@@ -203,6 +220,7 @@ class Speculator:
             first = False
             after = step(pending[None]) if events.n + 1 < events.max_tokens else None
             context.append(int(pending.item()))
+            self._shadow(shadow, context, limit)
             toc = time.perf_counter()
             if tic is not None:
                 self.costs.observe_plain(toc - tic)
