@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 SIZES = (1, 2, 4, 8, 16)  # verification sizes a calibration times
+MIN_EXTRA = 0.01  # plain steps: the least one more verified position is priced at
 
 
 def context_bucket(context: int) -> int:
@@ -220,9 +221,10 @@ class StepCosts:
         return self.plain_seconds() * self.ratio(n)
 
     def extra(self, n: int) -> float:
-        """Seconds that verifying one more position adds to an n-position step: never negative, though two
-        sizes' estimates may be out of order on a noisy machine."""
-        return self.plain_seconds() * max(self.ratio(n + 1) - self.ratio(n), 0.0)
+        """Seconds that verifying one more position adds to an n-position step. Two sizes' estimates may be out
+        of order on a noisy machine, but a position is never free: at least MIN_EXTRA of a plain step, so a
+        proposal the engine is all but sure fails is not verified because noise priced it at nothing."""
+        return self.plain_seconds() * max(self.ratio(n + 1) - self.ratio(n), MIN_EXTRA)
 
     def draft_cost(self) -> float:
         fresh = self._fresh(self.drafts)
