@@ -15,20 +15,12 @@ import sys
 from pathlib import Path
 
 from m2r2_mlx.atomic import atomic_write_text, refuse_existing
+from m2r2_mlx.checksums import sha256_file
 from m2r2_mlx.errors import M2R2Error, run_cli
 
 PROG = "python -m m2r2_torch.parts"
 MANIFEST = "manifest.json"
 DEFAULT_PART_MIB = 60
-CHUNK = 1 << 20
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def split(source: str | Path, folder: str | Path, part_mib: int = DEFAULT_PART_MIB, force: bool = False) -> Path:
@@ -48,7 +40,7 @@ def split(source: str | Path, folder: str | Path, part_mib: int = DEFAULT_PART_M
             part = folder / f"{source.name}.{len(parts):03d}"
             part.write_bytes(block)
             parts.append({"file": part.name, "size": len(block), "sha256": hashlib.sha256(block).hexdigest()})
-    manifest = {"name": source.name, "size": source.stat().st_size, "sha256": sha256_of(source), "parts": parts}
+    manifest = {"name": source.name, "size": source.stat().st_size, "sha256": sha256_file(source), "parts": parts}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))  # last: a manifest means complete parts
     return folder / MANIFEST
 
