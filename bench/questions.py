@@ -16,24 +16,32 @@ ORDERS = ("given", "reverse", "shuffled")
 
 
 def select_questions(path: Path, categories: str, limit: int | None) -> list[dict]:
+    """The questions of ``path`` (Spec-Bench's format: one JSON object per line with ``question_id``, ``category``
+    and ``turns``) in ``categories`` ("all", "mt_bench" or a comma-separated list of the file's categories), at
+    most ``limit`` per category."""
     if not path.is_file():
         raise M2R2Error(f"Spec-Bench questions not found at {path}; pass --questions path/to/question.jsonl")
-    wanted = {"all": CATEGORIES, "mt_bench": MT_BENCH}.get(categories) or tuple(
-        c.strip() for c in categories.split(",")
-    )
-    unknown = [c for c in wanted if c not in CATEGORIES]
+    questions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    known = file_categories(questions)
+    wanted = {"all": known, "mt_bench": MT_BENCH}.get(categories) or tuple(c.strip() for c in categories.split(","))
+    unknown = [c for c in wanted if c not in known]
     if unknown:
-        raise M2R2Error(f"unknown categories {unknown}; choose from {', '.join(CATEGORIES)}, mt_bench or all")
+        raise M2R2Error(f"unknown categories {unknown}; choose from {', '.join(known)}, mt_bench or all")
     if limit is not None and limit < 1:
         raise M2R2Error(f"at least 1 question per category is needed (got {limit}); raise --limit or --per-category")
     taken: Counter = Counter()
     out = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
+    for q in questions:
         if q["category"] in wanted and (limit is None or taken[q["category"]] < limit):
             taken[q["category"]] += 1
             out.append(q)
     return out
+
+
+def file_categories(questions: list[dict]) -> tuple[str, ...]:
+    """The categories ``questions`` hold: Spec-Bench's in its order, then any others in the order first seen."""
+    seen = dict.fromkeys(q["category"] for q in questions)
+    return tuple(c for c in CATEGORIES if c in seen) + tuple(c for c in seen if c not in CATEGORIES)
 
 
 def ordered(questions: list[dict], order: str = "given", seed: int = 0) -> list[dict]:

@@ -34,7 +34,7 @@ from m2r2_mlx.models.registry import load_model
 from tqdm.auto import tqdm
 
 from .methods import METHODS, MethodSettings, make_method, make_methods, method_names, run_turns
-from .questions import CATEGORIES, ORDERS, SPECBENCH, ordered, select_questions
+from .questions import CATEGORIES, ORDERS, SPECBENCH, file_categories, ordered, select_questions
 from .report import answers_table, plot, summarise, table, write_answers
 
 
@@ -195,7 +195,7 @@ def _main() -> int:
     )
     records = run(lm, questions, names, settings, plan)
 
-    categories = [c for c in CATEGORIES if any(q["category"] == c for q in questions)]
+    categories = list(file_categories(questions))
     summary = summarise(records, names, categories)
     args.out.mkdir(parents=True, exist_ok=True)
     write_answers(records, names, lm.name, args.out)
