@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -154,7 +155,19 @@ def make_variant(lm, name: str, settings: MethodSettings):
     return engine
 
 
-def run(lm, questions, names, settings, generation, seed):
+def wait_while_paused(pause: Path | None) -> None:
+    """Between answers: while ``pause`` exists, wait (and say so in ``pause``.paused), so that another heavy job
+    on this machine can run without slowing a measured answer."""
+    if pause is None or not pause.exists():
+        return
+    marker = pause.with_suffix(".paused")
+    marker.touch()
+    while pause.exists():
+        time.sleep(1)
+    marker.unlink(missing_ok=True)
+
+
+def run(lm, questions, names, settings, generation, seed, pause: Path | None = None):
     engines = {name: make_variant(lm, name, settings) for name in names}
     for decode in engines.values():
         run_turns(lm, decode, ["Say hello."], GenerationConfig(8))
@@ -163,6 +176,7 @@ def run(lm, questions, names, settings, generation, seed):
     for q in questions:
         ref = None
         for name in names:
+            wait_while_paused(pause)
             bar.set_postfix_str(f"q{q['question_id']} {name}")
             gen = generation if generation.sampling.greedy else replace(generation, seed=seed + q["question_id"])
             turns = run_turns(lm, engines[name], q["turns"], gen)
@@ -212,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(["plain", "m2r2", "lookup", "m2r2-fast", *(f"no-{p}" for p in PIECES)]),
     )
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pause-file", type=Path, default=None, help="wait between answers while this file exists")
     return p
 
 
@@ -223,7 +238,7 @@ def _main() -> int:
     generation = GenerationConfig.create(args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     lm = load_model()
     print(f"{len(questions)} questions, {len(names)} variants; {blas_info().describe()}", file=sys.stderr)
-    records = run(lm, questions, names, MethodSettings(args.adapters), generation, args.seed)
+    records = run(lm, questions, names, MethodSettings(args.adapters), generation, args.seed, args.pause_file)
     categories = list(dict.fromkeys(q["category"] for q in questions))
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "records.json", json.dumps(records))
