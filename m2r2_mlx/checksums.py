@@ -1,10 +1,12 @@
-"""Checksums of what m2r2 reads back from its cache: a file's sha256, and a folder's completion record.
+"""Checksums of what m2r2 reads back: a file's sha256, and a folder's record of its files, the one integrity
+scheme for every folder m2r2 writes (adapters, imported models, expert stores).
 
-A folder m2r2 builds in its cache (an imported model, an expert store) is filled in a temporary sibling, then
-sealed: ``complete.json``, each file's size, mtime and sha256, is written last, and the folder is renamed into
-place. A folder without that record is unfinished (an import killed half-way, or one from before records were
-kept) and is built again, never used. Every load compares sizes and mtimes with the record (one stat per file)
-and hashes again only a file whose mtime moved; ``m2r2-cache verify`` hashes everything.
+A folder is sealed: ``complete.json``, each file's size, mtime and sha256, is written last. A folder m2r2 builds
+in its cache (an imported model, an expert store) is filled in a temporary sibling, sealed, then renamed into
+place, so a folder without the record is unfinished (an import killed half-way) and is built again, never used.
+An adapters folder records the files decoding reads (core/integrity.py), and travels with its record to the Hub.
+Every load compares sizes and mtimes with the record (one stat per file) and hashes again only a file whose mtime
+moved (a copy, a download, a checkout: any of them); ``m2r2-cache verify`` hashes everything.
 
 Builders take ``exclusive(dest)`` first: one process builds a folder at a time, and what a killed build left
 behind (its temporary sibling) is removed by the next.
@@ -45,19 +47,25 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != RECORD)
 
 
-def seal(folder: str | Path) -> dict:
-    """Record every file of ``folder`` (size, mtime, sha256) in its completion record, written last."""
+def record_of(folder: str | Path, names: list[str] | None = None) -> dict:
+    """The record of ``folder``'s files (size, mtime, sha256): every file, or those of ``names`` that exist."""
     folder = Path(folder)
+    paths = _files(folder) if names is None else [folder / n for n in names if (folder / n).is_file()]
     files = {}
-    for path in _files(folder):
+    for path in paths:
         st = path.stat()
         files[path.relative_to(folder).as_posix()] = {
             "bytes": st.st_size,
             "mtime_ns": st.st_mtime_ns,
             "sha256": sha256_file(path),
         }
-    record = {"format": FORMAT, "version": VERSION, "files": files}
-    atomic_write_text(folder / RECORD, json.dumps(record, indent=1))
+    return {"format": FORMAT, "version": VERSION, "files": files}
+
+
+def seal(folder: str | Path, names: list[str] | None = None) -> dict:
+    """Write ``folder``'s record (every file, or ``names``), last."""
+    record = record_of(folder, names)
+    atomic_write_text(Path(folder) / RECORD, json.dumps(record, indent=1))
     return record
 
 

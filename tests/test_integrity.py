@@ -1,6 +1,7 @@
-"""Adapters folders carry the sha256 of their files in m2r2_config.json: every writer records them, loading checks
-them, and a flipped byte anywhere fails in one line naming the file and where a good copy comes from. Folders
-written before the record load with one note line; the Hub upload sends the record and the download checks it."""
+"""Adapters folders carry the sha256 of their files in their record (complete.json, the scheme of every folder m2r2
+writes): every writer records them, loading checks them, and a flipped byte anywhere fails in one line naming the
+file and where a good copy comes from. Folders written before the record load with one note line; the Hub upload
+sends the record and the download checks it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import shutil
 import subprocess
 import sys
 
-from m2r2_mlx.core import integrity
+from m2r2_mlx import checksums
+from m2r2_mlx.checksums import RECORD
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.config import CONFIG_FILE, M2R2Config
 from m2r2_mlx.core.draft_vocab import FILE as DRAFT_VOCAB
@@ -49,7 +51,7 @@ def copy(tmp_path):
 def test_packaged_adapters_record_every_file_they_hold():
     assert set(recorded_hashes(PACKAGED)) == {"adapters.safetensors", DRAFT_VOCAB}
     assert recorded_hashes(PACKAGED) == current_hashes(PACKAGED)
-    assert DRAFT_VOCAB in HASHED and set(ADAPTER_FILES) - {CONFIG_FILE} <= set(HASHED)
+    assert DRAFT_VOCAB in HASHED and set(ADAPTER_FILES) - {CONFIG_FILE, RECORD} <= set(HASHED)
     verify_adapters(PACKAGED)
 
 
@@ -60,13 +62,13 @@ def test_one_flipped_byte_anywhere_fails_in_one_line(copy, name, where):
     with pytest.raises(M2R2Error) as e:
         verify_adapters(copy)
     message = str(e.value)
-    assert "\n" not in message and str(copy / name) in message and "does not match the sha256" in message
+    assert "\n" not in message and str(copy) in message and f"{name} fails its checksum" in message
     assert "re-convert it with m2r2-convert or retrain it with m2r2-train" in message
 
 
 def test_loading_checks_before_any_weight_is_read(copy, lm):
     flip(copy / "adapters.safetensors", 0.5)  # a weight in the middle: mx.load alone would not notice
-    with pytest.raises(M2R2Error, match=r"adapters.safetensors does not match the sha256"):
+    with pytest.raises(M2R2Error, match=r"adapters.safetensors fails its checksum"):
         load_adapters(lm, copy)
     shutil.copy(PACKAGED / "adapters.safetensors", copy / "adapters.safetensors")
     assert load_adapters(lm, copy).config.gates == M2R2Config.load(PACKAGED).gates
@@ -74,19 +76,17 @@ def test_loading_checks_before_any_weight_is_read(copy, lm):
 
 def test_missing_and_unrecorded_files_are_named(copy):
     (copy / DRAFT_VOCAB).unlink()
-    with pytest.raises(M2R2Error, match=f"{DRAFT_VOCAB} is missing, though m2r2_config.json records it"):
+    with pytest.raises(M2R2Error, match=f"are damaged: {DRAFT_VOCAB} is missing"):
         verify_adapters(copy)
     record_hashes(copy)  # recorded without it
     verify_adapters(copy)
     shutil.copy(PACKAGED / DRAFT_VOCAB, copy / DRAFT_VOCAB)  # added afterwards, by hand
-    with pytest.raises(M2R2Error, match="is not among the files m2r2_config.json records.*python -m m2r2_mlx"):
+    with pytest.raises(M2R2Error, match=f"is not among the files {RECORD} records.*python -m m2r2_mlx"):
         verify_adapters(copy)
 
 
 def test_a_folder_without_a_record_loads_with_one_note(copy, lm, caplog):
-    data = json.loads((copy / CONFIG_FILE).read_text())
-    del data["integrity"]
-    (copy / CONFIG_FILE).write_text(json.dumps(data, indent=2))
+    (copy / RECORD).unlink()
     with caplog.at_level(logging.WARNING, logger="m2r2"):
         load_adapters(lm, copy)
         load_adapters(lm, copy)
@@ -95,15 +95,13 @@ def test_a_folder_without_a_record_loads_with_one_note(copy, lm, caplog):
 
 
 def test_the_record_command_records_a_folder(copy):
-    data = json.loads((copy / CONFIG_FILE).read_text())
-    del data["integrity"]
-    (copy / CONFIG_FILE).write_text(json.dumps(data, indent=2))
+    (copy / RECORD).unlink()
+    config = (copy / CONFIG_FILE).read_bytes()
     r = subprocess.run(
         [sys.executable, "-m", "m2r2_mlx.core.integrity", str(copy)], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "recorded the sha256 of adapters.safetensors, draft_vocab.json" in r.stdout
-    after = json.loads((copy / CONFIG_FILE).read_text())
-    assert after.pop("integrity") == {"sha256": current_hashes(PACKAGED)} and after == data  # nothing else changed
+    assert recorded_hashes(copy) == current_hashes(PACKAGED) and (copy / CONFIG_FILE).read_bytes() == config
 
 
 def test_save_adapters_and_the_draft_vocabulary_record_their_files(tmp_path):
@@ -130,12 +128,9 @@ def test_the_fix_says_where_a_good_copy_comes_from(tmp_path, hub):
 
 
 def test_upload_sends_the_record_and_the_download_checks_it(hub, copy):
-    data = json.loads((copy / CONFIG_FILE).read_text())
-    del data["integrity"]  # written before records were kept: the upload records it on the way, not at home
-    (copy / CONFIG_FILE).write_text(json.dumps(data, indent=2))
-    before = (copy / CONFIG_FILE).read_bytes()
+    (copy / RECORD).unlink()  # written before records were kept: the upload records it on the way, not at home
     upload_adapters(copy, "me/smollm2-m2r2")
-    assert (copy / CONFIG_FILE).read_bytes() == before
+    assert not (copy / RECORD).exists()
     folder = resolve_adapters("me/smollm2-m2r2")
     assert recorded_hashes(folder) == current_hashes(PACKAGED)
     flip(folder / "adapters.safetensors", 0.5)  # damaged in the Hugging Face cache
@@ -145,7 +140,7 @@ def test_upload_sends_the_record_and_the_download_checks_it(hub, copy):
 
 def test_a_damaged_folder_is_not_uploaded(hub, copy):
     flip(copy / "adapters.safetensors", 0.5)
-    with pytest.raises(M2R2Error, match="does not match the sha256"):
+    with pytest.raises(M2R2Error, match="fails its checksum"):
         upload_adapters(copy, "me/broken")
     assert hub.uploads == []
 
@@ -161,14 +156,14 @@ def test_m2r2_convert_checks_a_recorded_pytorch_checkpoint(tmp_path):
     record_hashes(folder)  # as m2r2-train-torch records its checkpoint
     assert "adapters.0.down.weight" in read_checkpoint(folder).tensors
     flip(folder / "adapters.pt", 0.9)
-    with pytest.raises(M2R2Error, match="adapters.pt does not match the sha256"):
+    with pytest.raises(M2R2Error, match="adapters.pt fails its checksum"):
         read_checkpoint(folder)
 
 
 def test_verified_folders_are_not_hashed_again(copy, monkeypatch):
     verify_adapters(copy)
     calls = []
-    monkeypatch.setattr(integrity, "sha256_file", lambda path: calls.append(path))
+    monkeypatch.setattr(checksums, "sha256_file", lambda path: calls.append(path))
     verify_adapters(copy)
     assert calls == []
 

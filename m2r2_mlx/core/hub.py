@@ -14,15 +14,16 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
+from ..checksums import RECORD, read_record
 from ..errors import M2R2Error
 from ..models.registry import ALIASES, DEFAULT_MODEL, canonical_name, hub_snapshot, is_repo_id
 from .config import ADAPTERS_FILE, CONFIG_FILE, M2R2Config
 from .draft_vocab import FILE as DRAFT_VOCAB_FILE
-from .integrity import config_with_hashes, current_hashes, recorded_hashes, verify_adapters
+from .integrity import new_record, verify_adapters
 
 PACKAGED_ADAPTERS = Path(__file__).resolve().parents[1] / "trained"
 # What an adapters folder holds for decoding; m2r2-train's data cache and checkpoints stay home.
-ADAPTER_FILES = (CONFIG_FILE, ADAPTERS_FILE, DRAFT_VOCAB_FILE)
+ADAPTER_FILES = (CONFIG_FILE, ADAPTERS_FILE, DRAFT_VOCAB_FILE, RECORD)
 CARD = "README.md"
 
 
@@ -105,11 +106,11 @@ def upload_adapters(
     # what is recorded is what travels: a damaged folder is refused, and the record (computed now for a folder
     # written before records were kept) goes up with the files so that the download is checked against it
     verify_adapters(folder, note=False)
-    recorded = recorded_hashes(folder) or current_hashes(folder)
-    names = [name for name in ADAPTER_FILES if name in recorded]
-    config = json.dumps(config_with_hashes(folder, {name: recorded[name] for name in names}), indent=2)
-    ops = [CommitOperationAdd(CONFIG_FILE, io.BytesIO(config.encode()))]
+    record = read_record(folder) or new_record(folder)
+    names = [name for name in ADAPTER_FILES if name in record["files"]]
+    ops = [CommitOperationAdd(CONFIG_FILE, str(folder / CONFIG_FILE))]
     ops += [CommitOperationAdd(name, str(folder / name)) for name in names]
+    ops.append(CommitOperationAdd(RECORD, io.BytesIO(json.dumps(record, indent=1).encode())))
     card = folder / CARD
     ops.append(CommitOperationAdd(CARD, str(card) if card.is_file() else io.BytesIO(model_card(cfg, repo_id).encode())))
     api = HfApi(endpoint=endpoint, token=token)

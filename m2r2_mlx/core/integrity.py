@@ -1,10 +1,11 @@
-"""The sha256 of an adapters folder's files, recorded in its m2r2_config.json and checked before they load.
+"""An adapters folder's integrity: the sha256 of the files decoding reads, in the folder's record (checksums.py:
+``complete.json``, the scheme every folder m2r2 writes uses), checked before any of them loads.
 
-Early exit is lossy, so adapters with a flipped byte would decode without a word; with the hashes a damaged or
+Early exit is lossy, so adapters with a flipped byte would decode without a word; with the record a damaged or
 altered copy fails in one line naming the file and where a good copy comes from. Every writer (m2r2-train,
 m2r2-train-torch, m2r2-convert, the draft vocabulary) calls ``record_hashes`` once its files are written; the
-upload sends the record with the files, so a Hub download is checked too. m2r2_config.json itself is not hashed:
-it holds the record, is validated field by field when read, and stays editable by hand (base_model, exit_vocab).
+upload sends the record with the files, so a Hub download is checked too. m2r2_config.json is not recorded: it is
+validated field by field when read, and stays editable by hand (base_model, exit_vocab).
 
     python -m m2r2_mlx.core.integrity FOLDER       # record the hashes of a folder written before they were kept
 """
@@ -12,20 +13,17 @@ it holds the record, is validated field by field when read, and stays editable b
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
 from huggingface_hub import constants
 
-from ..atomic import atomic_write_text
-from ..checksums import sha256_file
+from ..checksums import RECORD, check_folder, read_record, record_of, seal, sha256_file
 from ..errors import M2R2Error, run_cli
 from .config import ADAPTERS_FILE, CONFIG_FILE
 
 log = logging.getLogger("m2r2")
-KEY = "integrity"  # m2r2_config.json: {"integrity": {"sha256": {file name: hex digest}}}
 # the files decoding (or m2r2-convert, for a PyTorch checkpoint) reads; data caches and checkpoints are not hashed
 HASHED = (ADAPTERS_FILE, "draft_vocab.json", "adapters.pt")
 PACKAGED = Path(__file__).resolve().parents[1] / "trained"
@@ -35,17 +33,10 @@ _verified: set[tuple] = set()  # folders (with their files' sizes and mtimes) fo
 _noted: set[Path] = set()  # folders without a record, already noted once
 
 
-def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise M2R2Error(f"{folder} has no {CONFIG_FILE}; it is not an M2R2 adapters folder") from None
-    except (OSError, ValueError) as e:
-        raise M2R2Error(f"{path} is not a valid M2R2 config ({e})") from None
-    if not isinstance(data, dict):
-        raise M2R2Error(f"{path} is not a valid M2R2 config (not a JSON object)")
-    return data
+def _adapters_folder(folder: Path) -> Path:
+    if not (folder / CONFIG_FILE).is_file():
+        raise M2R2Error(f"{folder} has no {CONFIG_FILE}; it is not an M2R2 adapters folder")
+    return folder
 
 
 def current_hashes(folder: str | Path) -> dict[str, str]:
@@ -54,30 +45,26 @@ def current_hashes(folder: str | Path) -> dict[str, str]:
     return {name: sha256_file(folder / name) for name in HASHED if (folder / name).is_file()}
 
 
-def config_with_hashes(folder: str | Path, hashes: dict[str, str]) -> dict:
-    """``folder``'s m2r2_config.json as a dict, its record replaced by ``hashes`` (everything else kept)."""
-    data = _read_config(Path(folder))
-    data[KEY] = {"sha256": dict(hashes)}
-    return data
+def new_record(folder: str | Path) -> dict:
+    """The record ``record_hashes`` would write for ``folder`` now (what an upload sends for an unrecorded one)."""
+    return record_of(folder, list(HASHED))
 
 
 def record_hashes(folder: str | Path) -> dict[str, str]:
-    """Record the sha256 of ``folder``'s files in its m2r2_config.json (rewritten atomically, all else kept)."""
-    folder = Path(folder)
-    hashes = current_hashes(folder)
-    atomic_write_text(folder / CONFIG_FILE, json.dumps(config_with_hashes(folder, hashes), indent=2))
-    return hashes
+    """Record the sha256 of ``folder``'s hashed files in its record (written atomically)."""
+    folder = _adapters_folder(Path(folder))
+    return {name: f["sha256"] for name, f in seal(folder, list(HASHED))["files"].items()}
 
 
 def recorded_hashes(folder: str | Path) -> dict[str, str] | None:
-    """The hashes ``folder``'s m2r2_config.json records; None for a folder written before they were kept."""
-    record = _read_config(Path(folder)).get(KEY)
+    """The hashes ``folder``'s record holds; None for a folder written before they were kept."""
+    folder = _adapters_folder(Path(folder))
+    record = read_record(folder)
     if record is None:
+        if (folder / RECORD).exists():
+            raise M2R2Error(f"{folder / RECORD} is unreadable; {remedy(folder)}")
         return None
-    hashes = record.get("sha256") if isinstance(record, dict) else None
-    if not isinstance(hashes, dict) or not all(isinstance(v, str) for v in hashes.values()):
-        raise M2R2Error(f"{Path(folder) / CONFIG_FILE} has a malformed {KEY!r} entry; {remedy(Path(folder))}")
-    return hashes
+    return {name: f.get("sha256") for name, f in record["files"].items()}
 
 
 def remedy(folder: Path) -> str:
@@ -94,7 +81,7 @@ def remedy(folder: Path) -> str:
 
 def _signature(folder: Path) -> tuple:
     stats = []
-    for name in (CONFIG_FILE, *HASHED):
+    for name in (RECORD, *HASHED):
         try:
             st = (folder / name).stat()
             stats.append((name, st.st_size, st.st_mtime_ns))
@@ -104,9 +91,9 @@ def _signature(folder: Path) -> tuple:
 
 
 def verify_adapters(folder: str | Path, fix: str | None = None, note: bool = True) -> None:
-    """Check ``folder``'s files against the hashes its m2r2_config.json records; one M2R2Error line naming the
-    file and ``fix`` (default: where a good copy comes from) on a mismatch. A folder without a record loads,
-    with one note line per folder (``note``)."""
+    """Check ``folder``'s files against its record; one M2R2Error line naming the file and ``fix`` (default: where
+    a good copy comes from) on a mismatch. A folder without a record loads, with one note line per folder
+    (``note``)."""
     folder = Path(folder)
     key = _signature(folder)
     if key in _verified:
@@ -124,21 +111,15 @@ def verify_adapters(folder: str | Path, fix: str | None = None, note: bool = Tru
                 folder,
             )
         return
-    for name in HASHED:
-        path = folder / name
-        if name not in recorded:
-            if path.is_file():
-                raise M2R2Error(
-                    f"{path} is not among the files {CONFIG_FILE} records (added after the folder was written); "
-                    f"{fix}, or, if you trust it, record it with: {RECORD_COMMAND} {folder}"
-                )
-            continue
-        if not path.is_file():
-            raise M2R2Error(f"{path} is missing, though {CONFIG_FILE} records it; {fix}")
-        if sha256_file(path) != recorded[name]:
-            raise M2R2Error(
-                f"{path} does not match the sha256 its {CONFIG_FILE} records (truncated, damaged or altered); {fix}"
-            )
+    added = [name for name in HASHED if name not in recorded and (folder / name).is_file()]
+    if added:
+        raise M2R2Error(
+            f"{folder / added[0]} is not among the files {RECORD} records (added after the folder was written); "
+            f"{fix}, or, if you trust it, record it with: {RECORD_COMMAND} {folder}"
+        )
+    check = check_folder(folder)
+    if not check.ok:
+        raise M2R2Error(f"the adapters in {folder} are damaged: {check.detail}; {fix}")
     _verified.add(key)
 
 
@@ -153,8 +134,8 @@ def verify_if_recorded(folder: str | Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=RECORD_COMMAND,
-        description="Record the sha256 of an adapters folder's files in its m2r2_config.json, as m2r2's writers "
-        "do: for a folder written before they were kept, or one you changed on purpose.",
+        description=f"Record the sha256 of an adapters folder's files in its {RECORD}, as m2r2's writers do: for a "
+        "folder written before they were kept, or one you changed on purpose.",
     )
     p.add_argument("folders", nargs="+", metavar="FOLDER", help="adapters folders (holding m2r2_config.json)")
     return p
