@@ -12,7 +12,6 @@ from m2r2_mlx.moe import (
     ShuffledControl,
     offload_experts,
 )
-from m2r2_mlx.moe.planner import Rates
 
 import numpy as np
 import pytest
@@ -94,14 +93,3 @@ def test_a_prefetch_spares_named_and_current_experts(store):
     assert planner.victim(layer, resident, demand=False) == resident[1]
     planner.detach()
     assert cache.planner is None
-
-
-def test_rates_fall_back_to_coarser_keys_and_decay():
-    rates = Rates(PlannerConfig(prior=0.25, strength=2.0, decay=0.5))
-    assert rates.posterior(("fine", "coarse"))[0] == pytest.approx(0.25)
-    for _ in range(50):
-        rates.observe(("other", "coarse"), True)
-    mean, std = rates.posterior(("fine", "coarse"))  # an unseen fine key reads the coarse one's rate
-    assert mean > 0.9 and std < 0.2
-    rates.tick()
-    assert rates.counts["coarse"] == [25.0, 25.0]

@@ -86,4 +86,4 @@ class CompiledSteps:
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values = k, v
             layer.offset += len(fed)
-        cache._tokens.extend(fed)
+        cache.record(*fed)

@@ -50,9 +50,10 @@ class PromptCache:
         """The model's embedding, layers and head, for the state-keeping forward (built once, when first needed)."""
         return BaseParts(self.model)
 
-    def record(self, token: int) -> None:
-        """Note a token whose K/V a strategy writes into ``layers`` itself (early exit's layer-by-layer walk)."""
-        self._tokens.append(token)
+    def record(self, *tokens: int | mx.array) -> None:
+        """Note tokens whose K/V a strategy wrote into ``layers`` itself (early exit's layer-by-layer walk, the
+        compiled steps' preallocated arrays)."""
+        self._tokens.extend(tokens)
 
     def trim(self, n: int) -> None:
         if n <= 0:

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..estimates import ProbeBudget
+
 if TYPE_CHECKING:
     from .cache import ExpertCache
 
@@ -55,6 +57,7 @@ class PredictorGovernor:
         self.savings: float | None = None  # seconds of stall per step its prefetches hide
         self.spent = 0.0  # probes' expected loss so far
         self.elapsed = 0.0  # decode time measured
+        self.budget = ProbeBudget(config.probe_share)  # what probes may still lose
         self.windows = {"on": 0, "off": 0, "probes": 0}
         self._mark: tuple | None = None  # (time, step, counters) at the window's start
         self._probe = False
@@ -89,18 +92,23 @@ class PredictorGovernor:
     def _learn(self, wall: float, stall: float, misses: int, hits: int, came_back: int) -> None:
         compute, t = wall - stall, self.t_miss
         self.elapsed += wall
+        self.budget.earn(wall)
         if not self.active:
             self.compute_off = self._avg(self.compute_off, compute)
             if misses:
                 self.t_miss = self._avg(self.t_miss, stall / misses)
             if self._probe:
-                self.spent += max(self.net(), 0.0)
+                self._spend(self.net())
             return
         saved = (hits - came_back) * t - (stall - misses * t)
         cost = compute - self.compute_off
         self.savings, self.cost = self._avg(self.savings, saved), self._avg(self.cost, cost)
         if self._probe:
-            self.spent += max(cost - saved, 0.0)
+            self._spend(cost - saved)
+
+    def _spend(self, loss: float) -> None:
+        self.spent += max(loss, 0.0)
+        self.budget.spend(loss)
 
     def net(self) -> float:
         """Seconds per step the predictor is expected to gain (negative: to lose)."""
@@ -112,15 +120,14 @@ class PredictorGovernor:
             return False, False  # the plain step first
         if self.cost is None:
             return True, True  # the first probe
-        allowance = self.config.probe_share * self.elapsed - self.spent
         net = self.net()
         if net > 0:
             self._since_off += 1
-            if self._since_off > self.config.refresh_every and net <= allowance:
+            if self._since_off > self.config.refresh_every and self.budget.affords(net):
                 self._since_off = 0
                 return False, True  # refresh the plain step's compute
             return True, False
-        if -net <= allowance:
+        if self.budget.affords(-net):
             return True, True
         return False, False
 

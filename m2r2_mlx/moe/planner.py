@@ -1,5 +1,5 @@
-"""When a prefetch pays: the expert loader's planner (the speculative engine's Planner, decoding/policy.py, is the
-model).
+"""When a prefetch pays: the expert loader's planner (the speculative engine's CostPlanner, decoding/planner.py, is
+the model; both learn their rates with estimates.Rates).
 
 A predictor names experts a later layer will need. Loading one ahead of time is worth, in units of one expert's
 transfer ``t``:
@@ -27,12 +27,11 @@ Decisions are made for decode steps (one token); a prompt's experts load on dema
 
 from __future__ import annotations
 
-import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from ..estimates import Rates
 from .governor import PredictorGovernor
 
 if TYPE_CHECKING:
@@ -58,38 +57,6 @@ class PlannerConfig:
     governed: bool = True  # the predictor runs only while its measured savings exceed its cost (governor.py)
 
 
-class Rates:
-    """Beta posteriors of a yes/no rate under keys, each with a coarser key's posterior as its prior."""
-
-    def __init__(self, config: PlannerConfig):
-        self.config = config
-        self.counts: dict = defaultdict(lambda: [0.0, 0.0])  # key -> [yes, seen]
-
-    def observe(self, keys: Sequence, yes: bool) -> None:
-        for key in keys:
-            c = self.counts[key]
-            c[0] += yes
-            c[1] += 1
-
-    def posterior(self, keys: Sequence) -> tuple[float, float]:
-        """Mean and standard deviation under the finest key; each coarser key (later in ``keys``, the last the
-        coarsest) is the prior of the one before it."""
-        mean, strength = self.config.prior, self.config.strength
-        for key in reversed(keys):
-            yes, seen = self.counts.get(key, (0.0, 0.0))
-            alpha = yes + strength * mean
-            total = seen + strength
-            mean = alpha / total
-        std = math.sqrt(mean * (1 - mean) / (total + 1))
-        return mean, std
-
-    def tick(self) -> None:
-        d = self.config.decay
-        for c in self.counts.values():
-            c[0] *= d
-            c[1] *= d
-
-
 class PrefetchPlanner:
     """Decides which predicted experts an ``ExpertCache`` loads ahead, and what they evict; see the module docstring.
 
@@ -97,8 +64,12 @@ class PrefetchPlanner:
 
     def __init__(self, config: PlannerConfig = PlannerConfig()):
         self.config = config
-        self.hits = Rates(config)  # was a predicted expert used by its layer at its step
-        self.reuse = Rates(config)  # was the resident expert at an eviction rank used at the layer's next visit
+        self.hits = Rates(
+            config.prior, config.strength, config.decay
+        )  # was a predicted expert used by its layer at its step
+        self.reuse = Rates(
+            config.prior, config.strength, config.decay
+        )  # was the resident expert at an eviction rank used at the layer's next visit
         self.cache: ExpertCache | None = None
         self._pending: dict[tuple[int, int], list[tuple[int, tuple]]] = {}  # (step, layer) -> (expert, keys)
         self._used_now: dict[int, tuple[int, set[int]]] = {}  # layer -> (step, experts it used then)
@@ -239,7 +210,7 @@ class PrefetchPlanner:
     def _eviction_order(self, layer: int, dist: Sequence[float] | None = None) -> list[int]:
         """Resident experts, the first to evict first: the least likely by the predictor's probabilities where it
         gave them (``dist``), else (and among ties) the policy's order."""
-        key = self.cache.policies[layer]._key
+        key = self.cache.policies[layer].rank
         if dist is None:
             return sorted(self.cache.resident(layer), key=key)
         return sorted(self.cache.resident(layer), key=lambda e: (dist[e], key(e)))

@@ -32,9 +32,10 @@ class EvictionPolicy:
         self._tick(expert)
 
     def victim(self, candidates: Iterable[int]) -> int:
-        return min(candidates, key=self._key)
+        return min(candidates, key=self.rank)
 
-    def _key(self, expert: int):
+    def rank(self, expert: int):
+        """The expert's place in the eviction order: the least is evicted first."""
         raise NotImplementedError
 
 
@@ -43,7 +44,7 @@ class LRU(EvictionPolicy):
 
     name = "lru"
 
-    def _key(self, expert: int):
+    def rank(self, expert: int):
         return self._last.get(expert, 0)
 
 
@@ -64,7 +65,7 @@ class LFU(EvictionPolicy):
         super().used(expert)
         self._count[expert] = self._count.get(expert, 0) + 1
 
-    def _key(self, expert: int):
+    def rank(self, expert: int):
         return self._count.get(expert, 0), self._last.get(expert, 0)
 
 
