@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 
 from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.decoders import DEFAULT_DRAFT, DEFAULT_THRESHOLD, make_decoder
+from m2r2_mlx.decoding.config import DRAFT_DEFAULTS, DecodeConfig, GenerationConfig
+from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.protocols import Decoder
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
@@ -18,13 +18,13 @@ import mlx.core as mx
 
 from .peers import MlxLmDecoder
 
-METHODS = ("plain", "plain-compiled", "mlx-lm", "m2r2", "m2r2-fast", "layerskip", "lookup", "mlx-lm-spec")
+METHODS = ("plain", "plain-compiled", "mlx-lm", "speculative", "fast", "layerskip", "lookup", "mlx-lm-spec")
 LABELS = {
     "plain": "plain (ours)",
     "plain-compiled": "plain, --compile",
     "mlx-lm": "mlx-lm stream_generate",
-    "m2r2": "M2R2 speculative (hybrid, cost)",
-    "m2r2-fast": "M2R2 fast stream alone",
+    "speculative": "M2R2 speculative (lookup + fast stream, cost planner)",
+    "fast": "M2R2 fast stream alone",
     "layerskip": "naive layer-skip",
     "lookup": "prompt lookup",
     "mlx-lm-spec": "mlx-lm 2-model speculative",
@@ -36,7 +36,7 @@ class MethodSettings:
     adapters: str | None = None
     gate: int | None = None
     max_draft: int | None = None
-    threshold: float | None = None  # m2r2-fast and layerskip
+    threshold: float | None = None  # fast and layerskip
     draft_vocab: int | None = None
     draft_model: str | None = None  # mlx-lm-spec's
 
@@ -58,23 +58,23 @@ def make_method(lm, name: str, s: MethodSettings) -> Decoder:
     if name == "mlx-lm":
         return MlxLmDecoder(lm)
     if name == "mlx-lm-spec":
-        return MlxLmDecoder(lm, load_model(s.draft_model).model, s.max_draft or DEFAULT_DRAFT)
+        return MlxLmDecoder(lm, load_model(s.draft_model).model, s.max_draft or DRAFT_DEFAULTS["always"].max_draft)
     if name == "plain-compiled":
         return make_decoder(lm, DecodeConfig(compile=True))
-    if name == "m2r2":  # what --mode speculative does by default: hybrid drafting under the cost model
+    if name == "speculative":  # what --mode speculative does by default: lookup and the fast stream, cost planner
         config = DecodeConfig("speculative", gate=s.gate, max_draft=s.max_draft, draft_vocab=s.draft_vocab)
         return make_decoder(lm, config, s.adapters)
     if name == "plain":
         return make_decoder(lm, "plain")
     # every proposal verified: the fast stream alone, naive layer skip, prompt lookup
-    mode = {"m2r2-fast": "speculative"}.get(name, name)
-    threshold = 0.0 if mode == "lookup" else DEFAULT_THRESHOLD if s.threshold is None else s.threshold
+    mode = {"fast": "speculative"}.get(name, name)
+    threshold = 0.0 if mode == "lookup" else s.threshold
     config = DecodeConfig(
         mode,
         gate=s.gate,
         drafter="fast",
-        policy="always",
-        max_draft=s.max_draft or DEFAULT_DRAFT,
+        planner="always",
+        max_draft=s.max_draft,
         threshold=threshold,
         draft_vocab=s.draft_vocab if mode != "lookup" else 0,
     )

@@ -1,7 +1,7 @@
 """m2r2-bench: the Spec-Bench protocol on this machine, every method side by side in one run.
 
     m2r2-bench --categories mt_bench --limit 2 --max-tokens 128          # MT-Bench, 2 questions per category
-    m2r2-bench --methods plain,m2r2,lookup --categories translation,rag   # a subset of methods and categories
+    m2r2-bench --methods plain,speculative,lookup --categories translation,rag   # a subset of methods and categories
     m2r2-bench --draft-model path/to/small-mlx-model                      # adds mlx-lm two-model speculation
 
 Greedy, batch 1, after a warm-up of every method. Each question's turns run as a chat
@@ -25,8 +25,7 @@ from pathlib import Path
 
 import m2r2_mlx  # (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.decoders import COST_DRAFT, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD
+from m2r2_mlx.decoding.config import DRAFT_DEFAULTS, DRAFT_VOCAB, GenerationConfig
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -56,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--questions",
         type=Path,
         default=SPECBENCH,
-        help="Spec-Bench question.jsonl (default: the copy that ships with m2r2-bench)",
+        help="questions in Spec-Bench's format (default: Spec-Bench's, shipped with m2r2-bench; "
+        "bench/data/heldout.jsonl is a second set, never tuned on)",
     )
     p.add_argument(
         "--categories",
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=2, help="most turns per question (default 2: all of Spec-Bench's)")
     p.add_argument(
         "--methods",
-        default="plain,mlx-lm,m2r2,m2r2-fast,lookup",
+        default="plain,mlx-lm,speculative,fast,lookup",
         help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
     p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
@@ -88,22 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-draft-tokens",
         type=int,
         default=None,
-        help=f"most drafted tokens per step (default: m2r2 {COST_DRAFT}, chosen per step by its cost model; the "
-        f"others {DEFAULT_DRAFT})",
+        help=f"most drafted tokens per step (default: speculative {DRAFT_DEFAULTS['cost'].max_draft}, chosen per "
+        f"step by its cost planner; the others {DRAFT_DEFAULTS['always'].max_draft})",
     )
     p.add_argument(
         "--threshold",
         "--draft-p-min",
         type=float,
         default=None,
-        help=f"m2r2-fast and layerskip: stop drafting below this draft confidence (default {DEFAULT_THRESHOLD})",
+        help=f"fast and layerskip: stop drafting below this draft confidence (default "
+        f"{DRAFT_DEFAULTS['always'].threshold})",
     )
     p.add_argument(
         "--draft-vocab",
         type=int,
         default=None,
-        help=f"M2R2 draft head over the N most frequent tokens (default {DEFAULT_DRAFT_VOCAB} where available; 0 = "
-        "full)",
+        help=f"M2R2 draft head over the N most frequent tokens (default {DRAFT_VOCAB} where available; 0 = full)",
     )
     p.add_argument("--draft-model", default=None, help="a small model for mlx-lm's two-model speculative decoding")
     p.add_argument(

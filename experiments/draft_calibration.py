@@ -26,9 +26,11 @@ from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_drafter
 from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.protocols import DraftRequest
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
 from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -80,6 +82,11 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
     return pairs, signals
 
 
+def draft_step(drafter, cache, token: int) -> None:
+    """One draft step after ``token``, the cache left as it was."""
+    drafter.propose(DraftTree.root(token), DraftRequest(cache, (), 1, Sampling(), set()))
+
+
 def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:
     """A plain one-token step (ms), then a draft step and k-token forwards as multiples of it: medians over
     rounds that time every kind once, side by side, so drift on a shared machine hits them alike."""
@@ -93,7 +100,7 @@ def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:
 
     kinds = {
         "plain": lambda: forward(1),
-        "draft step": lambda: drafter.draft(cache, 42, 1, Sampling(), set()),
+        "draft step": lambda: draft_step(drafter, cache, 42),
         **{f"verify {k} tokens": (lambda k=k: forward(k)) for k in ks},
     }
     times = {name: [] for name in kinds}

@@ -3,13 +3,16 @@ engine, prompt lookup alone, the fast stream alone and plain decoding (issue 39;
 
     python -m experiments.speculative_ablation --questions bench/data/question.jsonl --limit 2 --out out/abl-sb
     python -m experiments.speculative_ablation --questions bench/data/heldout.jsonl --out out/abl-heldout
+    python -m experiments.speculative_ablation --questions ... --methods plain,speculative,lookup,fast  # no variants
 
 One engine per variant for the whole run (as a chat or a server keeps one); all variants answer a question before
 the next question, so drift on the shared machine hits every variant alike. Writes records.json (every turn's
-tokens, times and acceptance) and results.md (speedup over plain per category, and tokens per step).
+tokens, times and acceptance) and results.md (speedup over plain per category, tokens per step, and what a step
+costs in plain steps). The ablation that chose the engine's pieces ran on the engine before issue 39 (commit
+0e6c820, where this script also switched off the pieces since removed: staleness, shadow chains, probes, context
+buckets, floors, new-answer scaling).
 
-Each variant is the engine of this commit with one piece removed by replacing it on the built engine (the product
-has no switches for them):
+Each variant is the built engine with one piece replaced (the product has no switches for them):
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding import costs as costs_module
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
+from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
-from m2r2_mlx.decoding.policy import Acceptance
+from m2r2_mlx.decoding.planner import CostPlanner
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -39,105 +42,43 @@ from m2r2_bench.questions import ordered, select_questions
 from m2r2_bench.report import summarise
 
 
-class OneBucket(costs_module.StepCosts):
-    bucket = property(lambda self: 0)
+class NoSignal(CostPlanner):
+    @staticmethod
+    def keys(kind, depth, signal):
+        return ((kind, min(depth, 4)),)
 
 
-class NoFloor(costs_module.StepCosts):
-    def extra(self, n: int) -> float:
-        return self.plain_seconds() * max(self.ratio(n + 1) - self.ratio(n), 0.0)
-
-
-class NoSignal(Acceptance):
+class NoOptimism(CostPlanner):
     def rate(self, kind, depth, signal=None):
-        return super().rate(kind, depth, None)
-
-    def optimistic(self, kind, depth, signal=None):
-        return super().optimistic(kind, depth, None)
-
-    def observe(self, kind, depth, signal, accepted):
-        super().observe(kind, depth, None, accepted)
+        return self.rates.mean(self.keys(kind, depth, signal), self.priors.get(kind, 0.5))
 
 
-class NoOptimism(Acceptance):
-    def optimistic(self, kind, depth, signal=None):
-        return self.rate(kind, depth, signal)
-
-
-def _greedy_select(planner):
+class GreedySelection(CostPlanner):
     """Selection without best-prefix: nodes join in order of pi only while each one raises tokens per second."""
 
-    def select(tree):
-        pi = planner.reach(tree)
-        order = sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i]))[: planner.max_nodes]
-        tokens, seconds = 1.0, planner.costs.verify_cost(1)
-        kept = [0]
+    def select(self, tree):
+        pi = self.reach(tree)
+        order = sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i]))[: self.max_nodes]
+        tokens, seconds, kept = 1.0, self.costs.verify_cost(1), [0]
         for n, node in enumerate(order, start=1):
-            t, s = tokens + pi[node], seconds + planner.costs.extra(n)
+            t, s = tokens + pi[node], seconds + self.costs.extra(n)
             if t / s <= tokens / seconds:
                 break
             tokens, seconds = t, s
             kept.append(node)
         return sorted(kept), tokens, seconds
 
-    return select
 
-
-def _no_stale(costs):
-    observe = costs.observe_verify
-
-    def observe_verify(n, seconds):
-        observe(n, seconds)
-        costs.stale = False
-
-    return observe_verify
-
-
-def _remove(engine, piece: str) -> None:
-    if piece == "calibration":  # no profile at all: the costs start from a guess and learn online
-        engine.calibration = None
-        engine.costs.prior = None
-        engine._calibrate = lambda cache, y: None
-    elif piece == "aging":  # samples never age out; the plain step is not re-timed for age
-        engine.costs.max_age = 10**9
-    elif piece == "staleness":  # a ratio out of bounds does not send the engine to re-time the plain step
-        engine.costs.observe_verify = _no_stale(engine.costs)
-    elif piece == "shadow":
-        engine._shadow = lambda shadow, context, limit: None
-    elif piece == "probes":
-        engine.explore.share = 0.0
-    elif piece == "best-prefix":
-        engine.planner.select = _greedy_select(engine.planner)
-    elif piece == "context-buckets":
-        engine.costs.__class__ = OneBucket
-    elif piece == "floors":
-        engine.costs.__class__ = NoFloor
-    elif piece == "signal":
-        engine.acceptance.__class__ = NoSignal
-    elif piece == "optimism":
-        engine.acceptance.__class__ = NoOptimism
-    elif piece == "new-answer":  # what earlier answers taught keeps its full weight
-        engine.acceptance.new_text = lambda keep=0.25: None
-    else:
-        raise ValueError(piece)
-
-
-PIECES = (
-    "trees",
-    "cost-model",
-    "calibration",
-    "aging",
-    "staleness",
-    "shadow",
-    "probes",
-    "best-prefix",
-    "context-buckets",
-    "floors",
-    "signal",
-    "optimism",
-    "new-answer",
-)
-__doc__ += "".join(f"\n- ``no-{p}``" for p in PIECES)
+PIECES = {
+    "trees": "one candidate at the first position (tree width 1)",
+    "cost-model": "every proposal of both drafters verified (the planner always)",
+    "calibration": "no calibrated costs: the first steps price every size from a guess, then what they measure",
+    "aging": "samples never age out; the plain step is not timed again for age",
+    "best-prefix": "nodes join only while each one alone raises tokens per second",
+    "signal": "acceptance by drafter and depth only (no n-gram length, no draft probability)",
+    "optimism": "the fast stream priced at its mean rate",
+}
+__doc__ += "".join(f"\n- ``no-{p}``: {what}" for p, what in PIECES.items())
 
 
 def make_variant(lm, name: str, settings: MethodSettings):
@@ -147,11 +88,18 @@ def make_variant(lm, name: str, settings: MethodSettings):
     config = DecodeConfig("speculative", gate=settings.gate)
     if piece == "trees":
         config = replace(config, tree_width=1)
-    elif piece == "cost-model":  # every proposal of both drafters verified, the fixed settings of "always"
-        config = replace(config, policy="always")
+    elif piece == "cost-model":
+        config = replace(config, planner="always")
     engine = make_decoder(lm, config, settings.adapters)
-    if piece not in ("trees", "cost-model"):
-        _remove(engine, piece)
+    planner = engine.planner
+    if piece == "calibration":
+        planner.costs = StepCosts(None, draft_fraction=planner.costs.draft_fraction)
+    elif piece == "aging":
+        planner.costs.max_age = 10**9
+    elif piece in ("best-prefix", "signal", "optimism"):
+        planner.__class__ = {"best-prefix": GreedySelection, "signal": NoSignal, "optimism": NoOptimism}[piece]
+    elif piece not in ("trees", "cost-model"):
+        raise ValueError(f"unknown piece {piece!r}; choose from {', '.join(PIECES)}")
     return engine
 
 
@@ -195,23 +143,32 @@ def run(lm, questions, names, settings, generation, seed, pause: Path | None = N
     return records
 
 
+def seconds_per_step(records: list[dict]) -> float:
+    turns = [t for r in records for t in r["turns"]]
+    return sum(t["decode_time"] for t in turns) / max(sum(len(t["accept_lengths"]) for t in turns), 1)
+
+
 def report(records, names, categories) -> str:
+    """Speedup over plain per category and overall; tokens per step; what a step costs in plain steps; the
+    speedup against the full engine's; answers identical to plain's."""
     s = summarise(records, names, categories)
     groups = [*categories, "overall"]
-    head = "| variant | " + " | ".join(groups) + " | tokens/step | vs full | same |"
-    lines = [head, "|" + "---|" * (len(groups) + 4)]
-    full = s.get(("overall", "m2r2"), {}).get("speedup")
+    head = "| variant | " + " | ".join(groups) + " | tokens/step | plain steps/step | vs full | same |"
+    lines = [head, "|" + "---|" * (len(groups) + 5)]
+    full = s.get(("overall", "speculative"), {}).get("speedup")
+    plain = seconds_per_step(records["plain"])
     for m in names:
         cells = [f"{s[g, m]['speedup']:.2f}x" if (g, m) in s else "-" for g in groups]
         o = s["overall", m]
         rel = f"{o['speedup'] / full:.3f}" if full else "-"
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {o['accepted']:.2f} | {rel} | {o['same']} |")
+        cost = seconds_per_step(records[m]) / plain
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {o['accepted']:.2f} | {cost:.2f} | {rel} | {o['same']} |")
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.speculative_ablation", description=__doc__.split("\n")[0])
-    p.add_argument("--questions", type=Path, required=True)
+    p.add_argument("--questions", type=Path, default=Path("bench/data/question.jsonl"))
     p.add_argument("--categories", default="all")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--turns", type=int, default=2)
@@ -223,15 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", default=None)
     p.add_argument(
         "--methods",
-        default=",".join(["plain", "m2r2", "lookup", "m2r2-fast", *(f"no-{p}" for p in PIECES)]),
+        default=",".join(["plain", "speculative", "lookup", "fast", *(f"no-{p}" for p in PIECES)]),
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--pause-file", type=Path, default=None, help="wait between answers while this file exists")
+    p.add_argument("--report", action="store_true", help="print the tables of the run in --out again, and stop")
     return p
 
 
 def _main() -> int:
     args = build_parser().parse_args()
+    if args.report:  # the tables again, from a run's records
+        records = json.loads((args.out / "records.json").read_text())
+        names = list(records)
+        categories = list(dict.fromkeys(r["category"] for r in records[names[0]]))
+        print(report(records, names, categories))
+        return 0
     questions = ordered(select_questions(args.questions, args.categories, args.limit), args.order, args.seed)
     questions = [dict(q, turns=q["turns"][: args.turns]) for q in questions]
     names = [m.strip() for m in args.methods.split(",")]

@@ -169,22 +169,3 @@ def exclusive(dest: str | Path, what: str = "") -> Iterator[None]:
         if fd is not None:
             path.unlink(missing_ok=True)  # before letting go, so that a waiter sees its file is gone and retries
             os.close(fd)
-
-
-# ---- one JSON file that carries its own checksum (the step-cost calibrations) -----------------------------------
-DIGEST_KEY = "sha256"
-
-
-def json_digest(doc: dict) -> str:
-    """The sha256 of ``doc``'s content (its own digest left out), independent of indentation and key order."""
-    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def with_digest(doc: dict) -> dict:
-    return {**doc, DIGEST_KEY: json_digest(doc)}
-
-
-def digest_matches(doc: dict) -> bool:
-    """True when ``doc`` carries its digest and its content still matches it."""
-    return isinstance(doc, dict) and doc.get(DIGEST_KEY) == json_digest(doc)

@@ -115,14 +115,13 @@ def _subset_head(p: Patches, rec: Recorder, head, kind: str) -> None:
 
 
 def _speculator(p: Patches, rec: Recorder, engine) -> None:
-    # measured costs are inflated by the evaluation boundaries: keep them out of this machine's calibration file
-    p.attribute(engine, "calibration", None)
-    builder = engine.builder
-    plan = lambda a, k, tree: {"nodes": len(tree), "plan": builder.status}
-    p.attribute(builder, "build", timed(rec, builder.build, "plan", "plan", note=plan))
-    if builder.lookup is not None:
-        p.attribute(builder.lookup, "propose", timed(rec, builder.lookup.propose, "lookup", "prompt lookup"))
-    layer = builder.layer
+    planner = engine.planner
+    plan = lambda a, k, out: {"nodes": len(a[0]), "plain": out.plain, "probe": out.probe}
+    p.attribute(planner, "plan", timed(rec, planner.plan, "plan", "plan", note=plan))
+    p.attribute(planner, "observe", timed(rec, planner.observe, "plan", "observe"))
+    for drafter in engine.free:
+        p.attribute(drafter, "propose", timed(rec, drafter.propose, "lookup", "prompt lookup"))
+    layer = engine.drafter
     if layer is not None:
         steps = lambda a, k, n: {"draft_steps": n}
         p.attribute(layer, "propose", timed(rec, layer.propose, "draft", f"draft {layer.name}", note=steps))
@@ -178,7 +177,7 @@ def instrument(recorder: Recorder, target: Target) -> Patches:
         _cache(p, recorder, target.cache)
         _sampling(p, recorder)
         decoder = target.decoder
-        if hasattr(decoder, "builder"):
+        if hasattr(decoder, "planner"):
             _speculator(p, recorder, decoder)
         elif hasattr(decoder, "policy") and hasattr(decoder, "m2r2"):
             _early_exit(p, recorder, decoder)

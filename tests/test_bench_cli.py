@@ -36,7 +36,7 @@ def test_bench_runs_every_method_and_writes_its_files(tmp_path):
             "--max-tokens",
             "12",
             "--methods",
-            "plain,mlx-lm,m2r2,layerskip,lookup",
+            "plain,mlx-lm,speculative,layerskip,lookup",
             "--draft-model",
             "smollm2",
             "--out",
@@ -47,7 +47,7 @@ def test_bench_runs_every_method_and_writes_its_files(tmp_path):
         timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    methods = ["plain", "mlx-lm", "m2r2", "layerskip", "lookup", "mlx-lm-spec"]
+    methods = ["plain", "mlx-lm", "speculative", "layerskip", "lookup", "mlx-lm-spec"]
     for m in methods:
         rows = [json.loads(line) for line in (out / f"{m}.jsonl").read_text().splitlines()]
         assert [x["question_id"] for x in rows] == [1, 2]

@@ -3,7 +3,6 @@ recorded sha256, remove by name after asking (or with --yes), and one-line refus
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -83,7 +82,7 @@ def test_bad_input_is_one_line(home, args, message):
 def sealed_home(tmp_path):
     """A cache of sealed entries (a small imported-model-like folder and an expert store), a step-cost file and
     the temporary folder of a killed import."""
-    from m2r2_mlx.checksums import seal, with_digest
+    from m2r2_mlx.checksums import seal
     from m2r2_mlx.moe.store import ExpertStore
 
     from .tiny import tiny_model
@@ -94,13 +93,10 @@ def sealed_home(tmp_path):
     (model / "config.json").write_text("{}")
     seal(model)
     ExpertStore.export(tiny_model("olmoe").model, tmp_path / "experts" / "tiny-abc")
-    (tmp_path / "calibration").mkdir()
-    doc = with_digest({"version": 2, "identity": {"model": "tiny"}, "profile": {"plain": {"0": 0.01}}})
-    (tmp_path / "calibration" / "tiny-0123.json").write_text(json.dumps(doc))
     return tmp_path
 
 
-def test_list_shows_step_costs_and_unfinished_writes(sealed_home):
+def test_list_shows_what_is_kept_and_unfinished_writes(sealed_home):
     (sealed_home / "models" / ".big-f32.abcd1234").mkdir()
     r = cache(sealed_home, "list")
     kinds = {line.split()[0]: " ".join(line.split()[3:]) for line in r.stdout.splitlines()[:-1]}
@@ -108,21 +104,18 @@ def test_list_shows_step_costs_and_unfinished_writes(sealed_home):
         "models/.big-f32.abcd1234": "unfinished write",
         "models/tiny-f32": "imported model",
         "experts/tiny-abc": "expert store",
-        "calibration/tiny-0123.json": "step costs",
     }
 
 
 def test_verify_checks_every_entry_and_names_what_is_damaged(sealed_home):
     r = cache(sealed_home, "verify")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.splitlines()[-1] == "3 of 3 entries intact"
+    assert r.stdout.splitlines()[-1] == "2 of 2 entries intact"
     assert all(line.split()[-1] == "ok" for line in r.stdout.splitlines()[:-1])
     model = sealed_home / "models" / "tiny-f32" / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[5000] ^= 1
     model.write_bytes(bytes(data))
-    costs = sealed_home / "calibration" / "tiny-0123.json"
-    costs.write_text(costs.read_text().replace("0.01", "0.02"))
     r = cache(sealed_home, "verify")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = dict(line.split("  ", 1) for line in r.stdout.splitlines()[:-1])
@@ -131,15 +124,9 @@ def test_verify_checks_every_entry_and_names_what_is_damaged(sealed_home):
         "m2r2-cache remove models/tiny-f32, then run again to import it anew"
     )
     assert lines["experts/tiny-abc"].strip() == "ok"
-    assert lines["calibration/tiny-0123.json"].strip().startswith("damaged or from an older m2r2")
     # one entry by name; an unsealed one says it is unfinished
     (sealed_home / "experts" / "tiny-abc" / "complete.json").unlink()
     r = cache(sealed_home, "verify", "tiny-abc")
     assert r.returncode == 1 and len(r.stdout.splitlines()) == 2
     assert "unfinished (its completion record complete.json is missing" in r.stdout
     assert "it is exported again at next use" in r.stdout
-
-
-def test_remove_a_step_cost_file(sealed_home):
-    r = cache(sealed_home, "remove", "calibration/tiny-0123.json", "--yes")
-    assert r.returncode == 0 and not (sealed_home / "calibration" / "tiny-0123.json").exists()

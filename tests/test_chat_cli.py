@@ -36,7 +36,7 @@ def test_no_terminal_without_prompt_is_one_line():
 def test_draft_and_verify_modes_answer_like_plain():
     q = ["--prompt", "Name three primary colors.", "--max-tokens", "40"]
     plain = subprocess.run([EXE, *q], capture_output=True, text=True, timeout=600)
-    fast_alone = ["--drafter", "fast", "--policy", "always", "--gate", "24", "--draft", "3"]
+    fast_alone = ["--drafter", "fast", "--planner", "always", "--gate", "24", "--draft", "3"]
     for mode, extra, exit_mark in [
         ("speculative", fast_alone, "L24x"),
         ("speculative", [], None),  # the default: lookup and the fast stream, where they pay
@@ -60,7 +60,7 @@ def test_draft_and_verify_modes_answer_like_plain():
             (["--draft", "0"], "--draft must be at least 1"),
             (["--threshold", "nan"], "--threshold must be in [0, 1]"),
             (["--tree-width", "9"], "--tree-width must be in 1..8"),
-            (["--policy", "sometimes"], "--policy must be one of"),
+            (["--planner", "sometimes"], "--planner must be one of"),
             (["--adapters", "/no/such/dir"], "not found"),
         ]
     ),

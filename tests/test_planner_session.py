@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import m2r2_mlx.decoding.calibration as calibration
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
@@ -43,15 +42,6 @@ def run(lm, decode, prompt: str) -> tuple[list[int], AnswerStats, int | None]:
         tokens.append(ev.token)
         first = ev.index if first is None and ev.drafted else first
     return tokens, stats, first
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_calibration(tmp_path_factory):
-    """The machine's step-cost file of these tests' own: an engine refines it after each answer, slowed ones too."""
-    home = tmp_path_factory.mktemp("m2r2-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(calibration, "cache_home", lambda: home)
-        yield
 
 
 @pytest.fixture(scope="module")

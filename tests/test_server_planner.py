@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import m2r2_mlx.decoding.calibration as calibration
 from m2r2_mlx.core.hub import packaged_adapters
 from m2r2_mlx.decoding.options import DecodingOptions
 
@@ -22,20 +21,17 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def server(lm, tmp_path_factory):
-    home = tmp_path_factory.mktemp("m2r2-home")
+def server(lm):
     flags = ["--mode", "speculative", "--max-tokens", "40"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(calibration, "cache_home", lambda: home)
-        defaults = DecodingOptions.from_values(vars(build_parser().parse_args(flags)))
-        worker = ModelWorker(lambda: lm, packaged_adapters("smollm2"), defaults, max_queue=16)
-        worker.start()
-        srv = Server(("127.0.0.1", 0), worker, defaults, lm.name)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        yield srv
-        srv.shutdown()
-        srv.server_close()
-        worker.stop()
+    defaults = DecodingOptions.from_values(vars(build_parser().parse_args(flags)))
+    worker = ModelWorker(lambda: lm, packaged_adapters("smollm2"), defaults, max_queue=16)
+    worker.start()
+    srv = Server(("127.0.0.1", 0), worker, defaults, lm.name)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    worker.stop()
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from .tiny import EosAs, tiny_model
+from .tiny import EosAs, draft_chain, tiny_model
 from .tiny import random_prompts as _prompts
 
 
@@ -105,9 +105,9 @@ def test_prompt_lookup_copies_the_latest_match():
     class Cache:
         tokens = [5, 6, 7, 1, 2, 9, 5, 6, 8, 4, 5]
 
-    drafts, q = PromptLookupDrafter(max_ngram=2).draft(Cache, 6, 3, None, eos_ids={4})
+    drafts, q = draft_chain(PromptLookupDrafter(max_ngram=2), Cache, 6, 3, None, eos_ids={4})
     assert drafts == [8, 4] and q is None  # "5 6" last seen before "8 4"; stops at the end token
-    assert PromptLookupDrafter().draft(Cache, 3, 3, None, eos_ids=set())[0] == []  # 3 never seen
+    assert draft_chain(PromptLookupDrafter(), Cache, 3, 3, None, eos_ids=set())[0] == []  # 3 never seen
 
 
 def _draft_confidences(tiny_m2r2, prompts) -> list[float]:
@@ -116,7 +116,7 @@ def _draft_confidences(tiny_m2r2, prompts) -> list[float]:
     for p in prompts:
         cache = PromptCache(tiny_m2r2.base)
         mx.eval(cache.forward(p[:-1]))
-        drafter.draft(cache, p[-1], 1, Sampling(), eos_ids=set())
+        draft_chain(drafter, cache, p[-1], 1, Sampling(), eos_ids=set())
         confs.append(drafter.confidences[0])
     return confs
 
@@ -134,7 +134,7 @@ def test_threshold_cuts_drafts_and_stays_lossless(lm, tiny_m2r2, drop_unsure):
         cache = PromptCache(model)
         mx.eval(cache.forward(p[:-1]))
         offsets = [c.offset for c in cache.layers]
-        drafts, _ = drafter.draft(cache, p[-1], 4, Sampling(), eos_ids=set())
+        drafts, _ = draft_chain(drafter, cache, p[-1], 4, Sampling(), eos_ids=set())
         assert [c.offset for c in cache.layers] == offsets
         lengths.append(len(drafts))
     if drop_unsure:

@@ -12,8 +12,9 @@ skips the rejection step must not (the test can fail).
 import m2r2_mlx.decoding.speculative as speculative
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import GenerationConfig
+from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.decoding.drafting import SpecSettings
+from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
 from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from .tiny import EosAs, tiny_model
+from .tiny import EosAs, draft_chain, tiny_model
 
 V, N = 12, 2000
 PROMPT = [3, 5, 7, 3, 5]
@@ -70,6 +71,16 @@ def sampled_joint(model, tok, decoder, s: Sampling) -> np.ndarray:
     return counts / N
 
 
+def both(m2r2, prior: float | None = None) -> list:
+    return [PromptLookupDrafter(prior=prior or 0.5), LayerDrafter(m2r2, 0, prior=prior)]
+
+
+def cost_planned(model, tok, drafters) -> Speculator:
+    return Speculator(
+        model, tok, drafters, CostPlanner(drafters, 4, StepCosts(draft_fraction=0.2)), max_draft=2, width=2
+    )
+
+
 def chain(model, tok, drafter):
     return lambda prompt, cache, generation: speculative_generate(model, tok, prompt, drafter, generation, max_draft=2)
 
@@ -108,16 +119,8 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
         "chain m2r2": chain(model, tok, LayerDrafter(m2r2, 0)),
         "chain m2r2 drop_unsure": chain(model, tok, LayerDrafter(m2r2, 0, threshold=0.3, drop_unsure=True)),
         "chain lookup": chain(model, tok, PromptLookupDrafter()),
-        "tree lookup+m2r2 width 3": Speculator(
-            model, tok, [PromptLookupDrafter(), LayerDrafter(m2r2, 0)], SpecSettings("always", 2, 3)
-        ),
-        # probes (a budget of 30% of decoding time: many of them) must keep the law too
-        "tree lookup+m2r2 cost planner": Speculator(
-            model,
-            tok,
-            [PromptLookupDrafter(prior=0.9), LayerDrafter(m2r2, 0, prior=0.9)],
-            SpecSettings("cost", 2, 2, explore=0.3),
-        ),
+        "tree lookup+m2r2 width 3": Speculator(model, tok, both(m2r2), VerifyAll(both(m2r2), 3), max_draft=2, width=3),
+        "tree lookup+m2r2 cost planner": cost_planned(model, tok, both(m2r2, prior=0.9)),
     }
     if s.top_k or s.reads_history:  # the new options: the trees carry the weight
         decoders = {k: v for k, v in decoders.items() if k.startswith("tree")}
@@ -150,7 +153,7 @@ def test_a_kept_draft_is_verified_against_its_restricted_law(setup):
     mx.random.seed(5)
     kept = dropped = 0
     for _ in range(40):
-        drafts, law = drafter.draft(cache, PROMPT[-1], 1, s, eos_ids=set())
+        drafts, law = draft_chain(drafter, cache, PROMPT[-1], 1, s, eos_ids=set())
         if drafts:
             kept += 1
             assert q[drafts[0]] >= threshold

@@ -7,9 +7,8 @@ from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
-from m2r2_mlx.decoding.drafting import SpecSettings
 from m2r2_mlx.decoding.generate import generate
-from m2r2_mlx.decoding.policy import Acceptance, Planner
+from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
@@ -88,13 +87,22 @@ def tiny_m2r2(lm):
     return m
 
 
+def verify_all(model, tok, drafters, max_draft: int, width: int = 1) -> Speculator:
+    return Speculator(model, tok, drafters, VerifyAll(drafters, width), max_draft=max_draft, width=width)
+
+
+def cost_planned(model, tok, drafters, max_draft: int = 8, width: int = 3, **costs) -> Speculator:
+    planner = CostPlanner(drafters, max_draft * width, StepCosts(draft_fraction=0.2, **costs))
+    return Speculator(model, tok, drafters, planner, max_draft=max_draft, width=width)
+
+
 def engines(m2r2, tok):
     model = m2r2.base
     both = lambda prior=None: [PromptLookupDrafter(prior=prior or 0.5), LayerDrafter(m2r2, 0, prior=prior)]  # noqa: E731
     return {
-        "width 3, always": Speculator(model, tok, [LayerDrafter(m2r2, 1)], SpecSettings("always", 5, 3)),
-        "hybrid, always": Speculator(model, tok, both(), SpecSettings("always", 6, 2)),
-        "hybrid, cost": Speculator(model, tok, both(prior=0.9), SpecSettings("cost", 8, 3)),
+        "width 3, always": verify_all(model, tok, [LayerDrafter(m2r2, 1)], 5, 3),
+        "hybrid, always": verify_all(model, tok, both(), 6, 2),
+        "hybrid, cost": cost_planned(model, tok, both(prior=0.9)),
     }
 
 
@@ -133,36 +141,6 @@ def test_tree_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
             assert [e.token for e in got] == want and got[-1].finish_reason == "stop"
 
 
-def planner(verify_1: float, verify_8: float, rate: float, draft: float = 0.01) -> Planner:
-    costs = StepCosts(draft_fraction=0.2)
-    costs.observe_plain(verify_1)
-    for _ in range(2):
-        costs.observe_verify(8, verify_8)
-    costs.observe_draft(draft)
-    return Planner(costs, Acceptance({"lookup": rate, "fast": rate}, strength=1000), max_nodes=16)
-
-
-def test_planner_verifies_only_what_pays():
-    tree = DraftTree.root(1)
-    tree.add_chain(0, [2, 3, 4], "lookup")
-    assert planner(0.050, 0.060, 0.8).select(tree)[0] == [0, 1, 2, 3]  # cheap positions, likely drafts
-    assert planner(0.050, 0.400, 0.3).select(tree)[0] == [0]  # each position costs as much as a token: plain
-    assert planner(0.050, 0.060, 0.9, draft=0.002).fast_pays(tree, 3, "fast", 4)  # cheap drafts, likely
-    assert not planner(0.050, 0.060, 0.8).fast_pays(tree, 3, "fast", 4)  # 0.41 tokens for a 0.011 s draft step
-
-
-def test_acceptance_learns_and_forgets():
-    acc = Acceptance({"fast": 0.5}, decay=0.9)
-    for _ in range(50):
-        acc.observe("fast", 1, 0.9, True)
-        acc.observe("fast", 1, 0.05, False)
-        acc.tick()
-    assert acc.rate("fast", 1, 0.9) > 0.8 and acc.rate("fast", 1, 0.05) < 0.2
-    for _ in range(60):
-        acc.tick()
-    assert acc.optimistic("fast", 1) > acc.rate("fast", 1) + 0.1  # unused: uncertain again, so tried again
-
-
 @pytest.mark.parametrize(
     "options, says",
     [
@@ -173,7 +151,7 @@ def test_acceptance_learns_and_forgets():
         (dict(tree_width=99), "tree width"),
         (dict(gate=5), "not one of the adapters' gates"),
         (dict(drafter="magic"), "unknown drafter"),
-        (dict(policy="sometimes"), "unknown drafting policy"),
+        (dict(planner="sometimes"), "unknown planner"),
     ],
 )
 def test_bad_speculative_options_are_one_line(lm, options, says):
@@ -200,9 +178,9 @@ def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
     and each stretch step counts as one token per step."""
     model = tiny_m2r2.base
     both = lambda: [PromptLookupDrafter(), LayerDrafter(tiny_m2r2, 0)]  # noqa: E731
-    never = Speculator(model, lm.tokenizer, both(), SpecSettings("cost", explore=0.0))
-    never.acceptance.priors = {"lookup": 0.0, "fast": 0.0}
-    never.acceptance.strength = 1e6  # so sure that drafting never pays that it is never tried
+    never = cost_planned(model, lm.tokenizer, both())
+    never.planner.priors = {"lookup": 0.0, "fast": 0.0}
+    never.planner.rates.strength = 1e6  # so sure that drafting never pays that it is never tried
     for prompt in _prompts(3, seed=11):
         prompt = prompt + prompt[:6]
         for options in (dict(), dict(repetition_penalty=1.3, repetition_context_size=8)):
@@ -211,7 +189,7 @@ def test_plain_stretches_are_plain_decoding(lm, tiny_m2r2):
             got = list(never(prompt, None, generation))
             assert [e.token for e in got] == plain and not any(e.drafted for e in got)
             assert collect(got).accept_lengths == [1] * (len(got) - 1) and got[-1].finish_reason == "length"
-    assert not never.costs.samples  # no verification of more than one position: plain steps only
+    assert not never.planner.costs.samples  # no verification of more than one position: plain steps only
 
 
 def test_events_name_their_drafter_and_the_plan(lm, tiny_m2r2):

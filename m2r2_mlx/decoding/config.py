@@ -5,8 +5,8 @@
 - ``DecodeConfig``: how the decoder is built (its mode and the mode's settings), fixed for as long as it lives.
 - ``KVConfig``: the shape of the KV cache a session keeps (mlx-lm's rotating or quantized caches).
 
-Fields left None take the mode's own default when the decoder is built (decoders.py), so that a config says
-only what its user chose.
+Fields left None take the mode's own default when the decoder is built (decoders.py, from DRAFT_DEFAULTS), so
+that a config says only what its user chose.
 """
 
 from __future__ import annotations
@@ -37,12 +37,33 @@ class GenerationConfig:
         return cls(max_tokens, Sampling(**sampling), seed, tuple(stop))
 
 
+PLANNERS = ("cost", "always")  # speculative: planner.CostPlanner, planner.VerifyAll
+DRAFTERS = ("hybrid", "fast")  # speculative: prompt lookup and the fast stream, or the fast stream alone
+MAX_WIDTH = 8  # candidates at the first draft position, at most
+DRAFT_VOCAB = 4096  # the fast stream's trimmed LM head, where the adapters ship draft_vocab.json
+
+
+@dataclass(frozen=True)
+class DraftDefaults:
+    """What a speculative decoder drafts when its DecodeConfig leaves it None, by planner. Verifying every
+    proposal ("always": the lookup and layer-skip modes, the fast stream alone): short chains cut at 0.4
+    confidence, measured on SmolLM2-135M (docs/speculative_sweep.md). The cost planner prices each draft itself
+    (no threshold) and drafts as far as it expects to pay."""
+
+    max_draft: int
+    width: int
+    threshold: float
+
+
+DRAFT_DEFAULTS = {"cost": DraftDefaults(max_draft=8, width=3, threshold=0.0), "always": DraftDefaults(3, 1, 0.4)}
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     mode: str = "plain"  # a name in decoders.MODES
     gate: int | None = None  # the exit layer drafts come from (default: the adapters' first gate)
-    drafter: str = "hybrid"  # speculative: "hybrid" (prompt lookup and the fast stream) or "fast" (alone)
-    policy: str | None = None  # speculative: "cost" (the planner decides; default) or "always" (verify all)
+    drafter: str = "hybrid"  # speculative: one of DRAFTERS
+    planner: str | None = None  # speculative: one of PLANNERS (default: cost in mode speculative, else always)
     tree_width: int | None = None  # candidates at the first draft position
     max_draft: int | None = None  # most tokens drafted per step
     threshold: float | None = None  # stop a draft below this probability

@@ -15,21 +15,14 @@ from ..core.config import M2R2Config
 from ..core.draft_vocab import FILE, load_draft_vocab
 from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_adapters
 from ..errors import M2R2Error
-from .calibration import calibrate
-from .config import DecodeConfig
+from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, MAX_WIDTH, PLANNERS, DecodeConfig
+from .costs import StepCosts, measure_profile
 from .drafters import LayerDrafter, PromptLookupDrafter
-from .drafting import SpecSettings
 from .early_exit import EarlyExitDecoder, ExitPolicy, confidence
 from .generate import PlainDecoder
+from .planner import CostPlanner, VerifyAll
 from .protocols import Decoder, Drafter
 from .speculative import Speculator
-
-# Verifying every draft (policy "always": the lookup and layer-skip baselines, and the fast stream alone):
-# short drafts cut at 0.4 confidence, chosen by measurement on SmolLM2-135M (docs/speculative_sweep.md). The
-# cost-aware engine drafts further only where it pays, and weighs every candidate itself (no threshold).
-DEFAULT_DRAFT, DEFAULT_THRESHOLD, DEFAULT_DRAFT_VOCAB = 3, 0.4, 4096
-COST_DRAFT, COST_WIDTH = 8, 3
-DRAFTERS = ("hybrid", "fast")
 
 
 def adapters_folder(lm, adapters: str | Path | None = None, mode: str = "this mode") -> Path:
@@ -71,13 +64,13 @@ def make_drafter(lm, config: DecodeConfig, adapters: str | Path | None = None) -
 
     draft_vocab = config.draft_vocab
     if draft_vocab is None:  # the default: use the trimmed head when the adapters ship one
-        draft_vocab = DEFAULT_DRAFT_VOCAB if folder is not None and (Path(folder) / FILE).is_file() else 0
+        draft_vocab = DRAFT_VOCAB if folder is not None and (Path(folder) / FILE).is_file() else 0
     vocab = None
     if draft_vocab:
         if folder is None:
             raise M2R2Error("--draft-vocab needs an adapters folder with draft_vocab.json")
         vocab = load_draft_vocab(folder, draft_vocab)
-    threshold = DEFAULT_THRESHOLD if config.threshold is None else config.threshold
+    threshold = DRAFT_DEFAULTS["always"].threshold if config.threshold is None else config.threshold
     return LayerDrafter(
         m2r2,
         m2r2.config.gates.index(gate),
@@ -116,38 +109,48 @@ def build_early_exit(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
 
 def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder:
     """Speculative decoding in its three modes. ``speculative`` drafts with prompt lookup and the M2R2 fast
-    stream (``drafter="hybrid"``) or the fast stream alone (``"fast"``), under the policy "cost" (the default:
-    the engine drafts and verifies what its measured costs and acceptance rates say pays) or "always" (every
-    proposal verified, as ``lookup`` and ``layerskip`` do). Defaults: 8 drafted tokens per step and 3
-    candidates at the first position under "cost", else 3 and 1; a threshold of 0 under "cost" (the planner
-    weighs every draft itself), else 0.4."""
+    stream (``drafter="hybrid"``) or the fast stream alone (``"fast"``) under the cost planner (the default:
+    it drafts and verifies what its measured costs and acceptance rates say pays) or "always" (every proposal
+    verified, as ``lookup`` and ``layerskip`` do). What the config leaves None comes from DRAFT_DEFAULTS."""
     mode = config.mode
     if config.drafter not in DRAFTERS:
         raise M2R2Error(f"unknown drafter {config.drafter!r}; choose one of: {', '.join(DRAFTERS)}")
-    policy = config.policy or ("cost" if mode == "speculative" else "always")
-    cost = policy == "cost"
-    threshold = (0.0 if cost else DEFAULT_THRESHOLD) if config.threshold is None else config.threshold
+    planner = config.planner or ("cost" if mode == "speculative" else "always")
+    if planner not in PLANNERS:
+        raise M2R2Error(f"unknown planner {planner!r}; choose one of: {', '.join(PLANNERS)}")
+    defaults = DRAFT_DEFAULTS[planner]
+    threshold = defaults.threshold if config.threshold is None else config.threshold
+    max_draft = defaults.max_draft if config.max_draft is None else config.max_draft
+    width = defaults.width if config.tree_width is None else config.tree_width
     if not 0 <= threshold <= 1:  # also NaN
         raise M2R2Error(f"the draft threshold must be in [0, 1] (got {threshold})")
-    # without adapters, speculative mode's best drafter here (prompt lookup, in trees under the planner) still runs
+    if max_draft < 1:
+        raise M2R2Error(f"at least 1 token must be drafted per step (got {max_draft})")
+    if not 1 <= width <= MAX_WIDTH:
+        raise M2R2Error(f"tree width must be in 1..{MAX_WIDTH} (got {width})")
+    # without adapters, speculative mode's best drafter here (prompt lookup, under the planner) still runs
     lookup_only = mode == "speculative" and config.drafter == "hybrid" and not (adapters or packaged_adapters(lm.name))
     drafters: list[Drafter] = []
     if mode == "lookup" or (mode == "speculative" and config.drafter == "hybrid"):
         drafters.append(PromptLookupDrafter())
     if mode != "lookup" and not lookup_only:
         drafters.append(make_drafter(lm, replace(config, threshold=threshold), adapters))
-    max_draft = (COST_DRAFT if cost else DEFAULT_DRAFT) if config.max_draft is None else config.max_draft
-    width = (COST_WIDTH if cost else 1) if config.tree_width is None else config.tree_width
-    settings = SpecSettings(policy, max_draft, width)
-    calibration = calibrate(lm) if cost else None  # once per machine and model; a first answer pays nothing
+    if planner == "cost":
+        model = next((d for d in drafters if not d.free), None)
+        fraction = model.exit_layer / lm.num_layers if model else 0.0  # a draft step's cost before one is timed
+        costs = StepCosts(measure_profile(lm.model), draft_fraction=fraction)  # a first answer pays nothing for it
+        chosen = CostPlanner(drafters, max_draft * width, costs)
+    else:
+        chosen = VerifyAll(drafters, width)
     engine = Speculator(
         lm.model,
         lm.tokenizer,
         drafters,
-        settings,
+        chosen,
+        max_draft=max_draft,
+        width=width,
         name=mode,
         context_length=lm.context_length,
-        calibration=calibration,
     )
     if lookup_only:
         engine.note = (

@@ -19,11 +19,13 @@ import numpy as np
 
 from ..models.base_model import SubsetHead
 from .protocols import DraftRequest
-from .sampling import Sampling, sampling_probs
+from .sampling import sampling_probs
 from .tree import DraftTree
 
 
 class LayerDrafter:
+    free = False  # each draft step runs the layers up to the gate
+
     def __init__(
         self,
         m2r2,
@@ -41,7 +43,7 @@ class LayerDrafter:
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
         self.kind = "fast" if adapters else "layerskip"
-        self.name = ("m2r2" if adapters else "layerskip") + f"@L{self.exit_layer}"
+        self.name = f"{self.kind}@L{self.exit_layer}"
         self.confidences: list[float] = []  # the last call's draft probabilities, a dropped one included
         # A context feature reads the previous position's final residual: the cache keeps the verifier's
         # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
@@ -52,7 +54,7 @@ class LayerDrafter:
     def propose(self, tree: DraftTree, request: DraftRequest) -> int:
         """Draft up to ``request.limit`` tokens after node ``request.after``; returns the draft steps taken.
         A ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
-        proposals); ``go_on(node, confidence)`` decides whether to draft another token (default: while
+        proposals); ``go_on(tree, node, confidence)`` decides whether to draft another token (default: while
         confidence >= threshold). After a deeper node, the tokens on the way to it (another drafter's) first
         run through the drafter's layers in one pass, writing their provisional keys and values."""
         cache, limit, s, eos_ids = request.cache, request.limit, request.sampling, request.eos_ids
@@ -93,7 +95,7 @@ class LayerDrafter:
                     extra = tree.add(after, int(self._token(mx.array(j)).item()), self.kind)
                     tree.signal.setdefault((self.kind, extra), probs[j].item())
             parent, cur = node, d
-            if d in eos_ids or (unsure if go_on is None else not go_on(node, conf)):
+            if d in eos_ids or (unsure if go_on is None else not go_on(tree, node, conf)):
                 break  # an unsure draft is still verified (Kangaroo's rule), but none is drafted after it
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
             layer.trim(written + steps)
@@ -102,17 +104,10 @@ class LayerDrafter:
     def _token(self, i: mx.array) -> mx.array:
         return self.head.ids[i] if self.head is not None else i
 
-    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], mx.array | None]:
-        """A chain of drafts after ``token`` and the laws they were sampled from (None for greedy drafts)."""
-        tree = DraftTree.root(token)
-        self.propose(tree, DraftRequest(cache, (), limit, s, set(eos_ids)))
-        drafts = tree.tokens[1:]
-        qs = [q for node in range(len(tree)) for _, q in tree.proposals[node]]
-        return drafts, (mx.stack(qs) if qs and qs[0] is not None else None)
-
 
 class PromptLookupDrafter:
     exit_layer = 0  # drafted tokens used no layer at all
+    free = True
     keeps_states = False
     kind = name = "lookup"
 
@@ -124,7 +119,7 @@ class PromptLookupDrafter:
         n-gram, each with its n: the longest n first, then the latest occurrence."""
         ctx = np.asarray(context)
         found: list[tuple[list[int], int]] = []
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+        for n in range(self.max_ngram, self.min_ngram - 1, -1) if limit > 0 else ():
             if len(ctx) <= n:
                 continue
             tail = ctx[-n:]
@@ -149,8 +144,3 @@ class PromptLookupDrafter:
             for node in tree.add_chain(0, cont, self.kind):
                 tree.signal.setdefault((self.kind, node), float(n))
         return 0
-
-    def draft(self, cache, token: int, limit: int, s: Sampling, eos_ids) -> tuple[list[int], None]:
-        tree = DraftTree.root(token)
-        self.propose(tree, DraftRequest(None, cache.tokens + [token], limit, s, set(eos_ids)))
-        return tree.tokens[1:], None

@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 from ..errors import M2R2Error
-from .config import DecodeConfig, GenerationConfig, KVConfig
-from .decoders import COST_DRAFT, COST_WIDTH, DEFAULT_DRAFT, DEFAULT_DRAFT_VOCAB, DEFAULT_THRESHOLD, DRAFTERS, MODES
-from .drafting import MAX_WIDTH, POLICIES
+from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, MAX_WIDTH, PLANNERS, DecodeConfig, GenerationConfig, KVConfig
+from .decoders import MODES
 from .sampling import Sampling
 
 REPETITION_CONTEXT = Sampling.repetition_context_size  # mlx-lm's default too
@@ -74,8 +73,8 @@ OPTIONS = (
         ("--draft", "--num-draft-tokens", "--draft-max"),
         int,
         None,
-        f"most drafted tokens per verification step (default: {COST_DRAFT} under the cost policy, which picks "
-        f"how many each step; else {DEFAULT_DRAFT})",
+        f"most drafted tokens per verification step (default: {DRAFT_DEFAULTS['cost'].max_draft} under the cost "
+        f"planner, which picks how many each step; else {DRAFT_DEFAULTS['always'].max_draft})",
         ("draft", "num_draft_tokens"),
         lambda v: v >= 1,
         "must be at least 1",
@@ -86,8 +85,8 @@ OPTIONS = (
         ("--threshold", "--draft-p-min"),
         float,
         None,
-        f"stop drafting when a draft's probability falls below this (default: 0 under the cost policy, which "
-        f"weighs every draft itself; else {DEFAULT_THRESHOLD})",
+        f"stop drafting when a draft's probability falls below this (default: {DRAFT_DEFAULTS['cost'].threshold:g} "
+        f"under the cost planner, which weighs every draft itself; else {DRAFT_DEFAULTS['always'].threshold:g})",
         ("threshold", "draft_p_min"),
         lambda v: 0 <= v <= 1,
         "must be in [0, 1]",
@@ -104,23 +103,23 @@ OPTIONS = (
         f"must be one of: {', '.join(DRAFTERS)}",
     ),
     Option(
-        "policy",
-        ("--policy",),
+        "planner",
+        ("--planner",),
         str,
         None,
         "speculative: cost (draft and verify only what the costs and acceptance rates measured while decoding "
         "say pays; default) or always (verify every proposal)",
-        ("policy",),
-        lambda v: v in POLICIES,
-        f"must be one of: {', '.join(POLICIES)}",
+        ("planner",),
+        lambda v: v in PLANNERS,
+        f"must be one of: {', '.join(PLANNERS)}",
     ),
     Option(
         "width",
         ("--tree-width",),
         int,
         None,
-        f"candidate tokens verified at the first draft position, as a tree (default: {COST_WIDTH} under the "
-        f"cost policy, else 1)",
+        f"candidate tokens verified at the first draft position, as a tree (default: "
+        f"{DRAFT_DEFAULTS['cost'].width} under the cost planner, else {DRAFT_DEFAULTS['always'].width})",
         ("tree_width",),
         lambda v: 1 <= v <= MAX_WIDTH,
         f"must be in 1..{MAX_WIDTH}",
@@ -131,7 +130,7 @@ OPTIONS = (
         ("--draft-vocab",),
         int,
         None,
-        f"score drafts over the model's N most frequent tokens only (default: {DEFAULT_DRAFT_VOCAB} where the "
+        f"score drafts over the model's N most frequent tokens only (default: {DRAFT_VOCAB} where the "
         "adapters have draft_vocab.json; 0 = the full LM head)",
         ("draft_vocab",),
         lambda v: v >= 0,

@@ -1,5 +1,6 @@
-"""The shapes of decoding's parts: a ``Decoder`` (what every mode builds and every app calls) and a ``Drafter``
-(what proposes tokens to the speculative engine), with the ``DraftRequest`` a drafter reads for one step."""
+"""The shapes of decoding's parts: a ``Decoder`` (what every mode builds and every app calls); for the speculative
+engine, a ``Drafter`` (proposes tokens, reading a ``DraftRequest``) and a ``Planner`` (decides each step what is
+drafted and verified: a ``StepPlan``, and learns from each step's ``Outcome``)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class DraftRequest:
     sampling: Sampling
     eos_ids: set[int]
     width: int = 1  # candidates at the first draft position
-    go_on: Callable[[int, float], bool] | None = None  # after drafting node (with its probability): draft another?
+    # after drafting a node (with its probability), whether to draft another: go_on(tree, node, probability)
+    go_on: Callable[[DraftTree, int, float], bool] | None = None
     after: int = 0  # draft after this node of the tree (default the root)
 
 
@@ -49,7 +51,8 @@ class Drafter(Protocol):
     """Adds proposals to a draft tree after ``request.after`` and leaves the cache as it found it."""
 
     kind: str  # "lookup", "fast" (the M2R2 fast stream) or "layerskip": acceptance is learnt per kind
-    name: str  # for logs and the chat ("lookup", "m2r2@L6")
+    name: str  # for logs and the chat ("lookup", "fast@L6")
+    free: bool  # proposing costs no model compute (prompt lookup): it proposes every step, before the plan
     exit_layer: int  # layers a drafted token used (0: none)
     keeps_states: bool  # it reads the verifier's final residual states (PromptCache.keep_states)
     prior: float  # the acceptance rate the engine starts from, before it has measured any
@@ -57,3 +60,46 @@ class Drafter(Protocol):
     def propose(self, tree: DraftTree, request: DraftRequest) -> int:
         """Add proposals; returns the model draft steps taken (0 for lookup)."""
         ...
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A planner's decision for one step: the nodes of the free drafters' tree to verify (root first; the root
+    alone and no ``draft``: a plain step), and where the model drafter drafts (None: it does not)."""
+
+    keep: Sequence[int]
+    draft: DraftRequest | None = None
+    probe: bool = False  # drafting the planner would not choose, to measure it again
+
+    @property
+    def plain(self) -> bool:
+        return len(self.keep) == 1 and self.draft is None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one step did: the tree verified (the root alone for a plain step), the path accepted, the full model's
+    token after it, and the step's seconds (drafting's share apart)."""
+
+    tree: DraftTree
+    path: Sequence[int]
+    token: int
+    seconds: float | None  # None: not timed (a plain stretch's first step waited for its own forward)
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    context: int = 0  # positions in the cache when the step began
+
+    @property
+    def plain(self) -> bool:
+        return len(self.tree) == 1
+
+
+@runtime_checkable
+class Planner(Protocol):
+    """Everything adaptive in speculative decoding. ``plan`` sees the free drafters' proposals for a step (the
+    root is the last emitted token; ``request`` holds the step's context, limit and sampling) and decides what is
+    verified and how the model drafter drafts; ``observe`` learns from each step taken, plain steps included."""
+
+    def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan: ...
+
+    def observe(self, outcome: Outcome) -> None: ...

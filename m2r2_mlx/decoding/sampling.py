@@ -17,7 +17,6 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..errors import M2R2Error
-from .tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -133,59 +132,3 @@ def next_token(logits: mx.array, s: Sampling, sequence) -> int:
     if s.greedy:
         return int(mx.argmax(processed_logprobs(logits, s, history)).item())
     return sample_from(sampling_probs(logits, s, history))
-
-
-def verify(
-    logits: mx.array, drafts: list[int], q: mx.array | None, s: Sampling, history: Sequence[int] = ()
-) -> tuple[int, int]:
-    """How many of a chain of drafts the full model accepts, and the token it emits after them (``verify_tree``
-    on a chain). ``logits`` (K+1, vocab) are the full model's on [y, d_1..d_K]; ``q`` (K, vocab) holds the
-    distributions the drafts were sampled from, None for deterministic drafts; ``history``: the sequence up to
-    and including y."""
-    tree = DraftTree.root(history[-1] if len(history) else -1)
-    parent = 0
-    for i, d in enumerate(drafts):
-        parent = tree.add(parent, d, "chain", None if q is None else q[i])
-    path, token = verify_tree(logits, tree, s, history[:-1] if len(history) else ())
-    return len(path) - 1, token
-
-
-def verify_tree(logits: mx.array, tree: DraftTree, s: Sampling, history: Sequence[int] = ()) -> tuple[list[int], int]:
-    """The accepted path of ``tree`` (node indices from the root) and the token the full model emits after it.
-
-    ``logits`` (N, vocab) are the full model's at every node; ``history`` the sequence before the root. Greedy: go
-    to the child equal to the argmax, while there is one. Sampling (SpecInfer's multi-candidate rule, lossless when
-    each sampled proposal is drawn independently from its q): at a node with target p, try the proposals in order;
-    accept child c proposed with q with probability min(1, p(c) / q(c)) (q one-hot for a deterministic proposal:
-    probability p(c)); on rejection p becomes norm(max(p - q, 0)); if every proposal is rejected, or there is none,
-    emit a sample of p.
-    """
-    history = list(history)
-    node, path = 0, [0]
-    batch = (
-        None if s.reads_history else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
-    )
-    while True:
-        context = history + [tree.tokens[i] for i in path]
-        if s.greedy:
-            target = batch[node] if batch is not None else int(mx.argmax(processed_logprobs(logits[node], s, context)))
-            nxt = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
-            if nxt is None:
-                return path, target
-        else:
-            p = batch[node] if batch is not None else sampling_probs(logits[node], s, context)
-            nxt = None
-            for child, q in tree.proposals[node]:
-                token = tree.tokens[child]
-                ratio = p[token] if q is None else p[token] / mx.maximum(q[token], 1e-20)
-                if mx.random.uniform().item() < min(1.0, ratio.item()):
-                    nxt = child
-                    break
-                q = mx.zeros_like(p).at[token].add(1.0) if q is None else q
-                residual = mx.maximum(p - q, 0.0)
-                total = residual.sum()
-                p = mx.where(total > 0, residual / total, p)
-            if nxt is None:
-                return path, sample_from(p)
-        node = nxt
-        path.append(node)

@@ -1,4 +1,5 @@
-"""Draft trees: several candidate continuations verified by the full model in one forward.
+"""Draft trees: several candidate continuations verified by the full model in one forward, and the rule that
+verifies them.
 
 Node 0 is the root: the last emitted token, not yet in the cache. Every other node is a drafted token whose
 parent precedes it, so a path from the root is an increasing list of node indices. Each parent lists its
@@ -14,11 +15,14 @@ drops the rest: the cache ends exactly as if the path had been decoded one token
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import mlx.core as mx
+
+from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs
 
 
 @dataclass
@@ -110,6 +114,14 @@ class DraftTree:
         return mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
 
 
+def describe(tree: DraftTree) -> str:
+    """ "plain", or the proposals by drafter: "lookup 4 + fast 1"."""
+    if len(tree) == 1:
+        return "plain"
+    counts = Counter(kind for node in range(1, len(tree)) for kind in tree.sources[node])
+    return " + ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
+
+
 class _TreeRoPE:
     """An attention's rotary embedding at per-node positions offset + depth: each node becomes its own batch
     entry (mx.fast.rope takes one offset per batch entry), so any RoPE variant of mlx-lm serves unchanged."""
@@ -151,3 +163,44 @@ def keep_positions(layer_cache, start: int, kept: Sequence[int], total: int) -> 
             for a in arrays if isinstance(arrays, tuple) else (arrays,):
                 a[..., start : start + len(kept), :] = a[..., idx, :]
     layer_cache.trim(total - len(kept))
+
+
+def verify_tree(logits: mx.array, tree: DraftTree, s: Sampling, history: Sequence[int] = ()) -> tuple[list[int], int]:
+    """The accepted path of ``tree`` (node indices from the root) and the token the full model emits after it.
+
+    ``logits`` (N, vocab) are the full model's at every node; ``history`` the sequence before the root. Greedy: go
+    to the child equal to the argmax, while there is one. Sampling (SpecInfer's multi-candidate rule, lossless when
+    each sampled proposal is drawn independently from its q): at a node with target p, try the proposals in order;
+    accept child c proposed with q with probability min(1, p(c) / q(c)) (q one-hot for a deterministic proposal:
+    probability p(c)); on rejection p becomes norm(max(p - q, 0)); if every proposal is rejected, or there is none,
+    emit a sample of p.
+    """
+    history = list(history)
+    node, path = 0, [0]
+    batch = (
+        None if s.reads_history else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
+    )
+    while True:
+        context = history + [tree.tokens[i] for i in path]
+        if s.greedy:
+            target = batch[node] if batch is not None else int(mx.argmax(processed_logprobs(logits[node], s, context)))
+            nxt = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
+            if nxt is None:
+                return path, target
+        else:
+            p = batch[node] if batch is not None else sampling_probs(logits[node], s, context)
+            nxt = None
+            for child, q in tree.proposals[node]:
+                token = tree.tokens[child]
+                ratio = p[token] if q is None else p[token] / mx.maximum(q[token], 1e-20)
+                if mx.random.uniform().item() < min(1.0, ratio.item()):
+                    nxt = child
+                    break
+                q = mx.zeros_like(p).at[token].add(1.0) if q is None else q
+                residual = mx.maximum(p - q, 0.0)
+                total = residual.sum()
+                p = mx.where(total > 0, residual / total, p)
+            if nxt is None:
+                return path, sample_from(p)
+        node = nxt
+        path.append(node)

@@ -1,36 +1,35 @@
 """m2r2-cache: what m2r2 keeps on disk, checking it, and removing it.
 
-    m2r2-cache list                         # imported models, MoE expert stores, step costs, with their sizes
+    m2r2-cache list                         # imported models and MoE expert stores, with their sizes
     m2r2-cache verify [NAME ...]            # every file against the sha256 recorded when it was written
     m2r2-cache remove experts/olmoe-1a2b    # asks first; --yes for scripts
     m2r2-cache remove --all --yes
 
 m2r2's cache ($M2R2_HOME, else ~/.cache/m2r2-mlx) holds GGUF imports (models/), the expert stores that
---memory-budget exports (experts/) and the speculative decoder's measured step costs (calibration/). Models
-downloaded from the Hub live in the Hugging Face cache instead: `hf cache scan` / `hf cache delete` manage those.
+--memory-budget exports (experts/). Models downloaded from the Hub live in the Hugging Face cache instead:
+`hf cache scan` / `hf cache delete` manage those.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..checksums import check_folder, digest_matches
+from ..checksums import check_folder
 from ..errors import M2R2Error, run_cli
 from .paths import cache_home
 
-KINDS = {"models": "imported model", "experts": "expert store", "calibration": "step costs"}
+KINDS = {"models": "imported model", "experts": "expert store"}
 UNFINISHED = "unfinished write"  # a build's temporary folder: in progress, or left by one that was killed
 
 
 @dataclass
 class Entry:
-    name: str  # "models/<folder>", "experts/<folder>" or "calibration/<file>.json"
+    name: str  # "models/<folder>" or "experts/<folder>"
     kind: str
     path: Path
     size: int
@@ -42,9 +41,7 @@ def folder_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def _members(folder: Path, sub: str) -> list[Path]:
-    if sub == "calibration":
-        return sorted(p for p in folder.glob("*.json") if p.is_file())
+def _members(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir())
 
 
@@ -53,7 +50,7 @@ def entries(home: Path | None = None) -> list[Entry]:
     found = []
     for sub, kind in KINDS.items():
         if (home / sub).is_dir():
-            for path in _members(home / sub, sub):
+            for path in _members(home / sub):
                 hidden = path.name.startswith(".")
                 found.append(Entry(f"{sub}/{path.name}", UNFINISHED if hidden else kind, path, folder_size(path)))
     return found
@@ -63,12 +60,6 @@ def verify(entry: Entry) -> str | None:
     """None when ``entry`` matches what was recorded when it was written; else what is wrong and the fix."""
     if entry.kind == UNFINISHED:
         return "a build's temporary folder (in progress, or killed); removed by the next build, or remove it"
-    if entry.kind == "step costs":
-        try:
-            intact = digest_matches(json.loads(entry.path.read_text()))
-        except (OSError, ValueError):
-            intact = False
-        return None if intact else "damaged or from an older m2r2; ignored and measured again at next use"
     check = check_folder(entry.path, full=True)
     if check.ok:
         return None

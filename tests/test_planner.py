@@ -1,0 +1,121 @@
+"""The planner protocol: the engine's step is the same for every planner, and the trivial planner (verify every
+proposal) with prompt lookup alone is prompt lookup decoding, token for token and step for step. The cost
+planner's arithmetic: it verifies only what pays, whole chains where they pay as a whole, and sends the fast
+stream only where its drafts pay for their steps."""
+
+from __future__ import annotations
+
+from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
+from m2r2_mlx.decoding.costs import CostProfile, StepCosts
+from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.drafters import PromptLookupDrafter
+from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
+from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.protocols import DraftRequest, Planner
+from m2r2_mlx.decoding.sampling import Sampling
+from m2r2_mlx.decoding.speculative import Speculator
+from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.decoding.tree import DraftTree
+
+import mlx.core as mx
+import numpy as np
+
+from .tiny import EosAs, tiny_model
+
+V = 24
+
+
+def reference_lookup(model, prompt: list[int], max_tokens: int, max_draft: int) -> tuple[list[int], list[int]]:
+    """Prompt lookup decoding written out plainly: each step copies the continuation of the context's last n-gram,
+    runs the full model once over [y, drafts], keeps the drafts up to the first that differs from its argmax and
+    appends the model's own token. Returns the tokens and the tokens per step."""
+    cache, lookup = PromptCache(model), PromptLookupDrafter()
+    y = int(mx.argmax(cache.forward(prompt)[-1]).item())
+    out, per_step = [y], []
+    while len(out) < max_tokens:
+        found = lookup.continuations(prompt + out, min(max_draft, max_tokens - len(out) - 1))
+        drafts = found[0][0] if found else []
+        targets = np.array(mx.argmax(cache.forward([y, *drafts]), axis=-1)).tolist()
+        k = next((i for i, d in enumerate(drafts) if d != targets[i]), len(drafts))
+        cache.trim(len(drafts) - k)
+        y = targets[k]
+        out += [*drafts[:k], y]
+        per_step.append(k + 1)
+    return out[:max_tokens], per_step
+
+
+def test_verify_all_with_lookup_alone_is_prompt_lookup_decoding(lm):
+    """Every token of the prompt appears in it, so lookup always has a proposal (no plain stretch): the engine's
+    steps are the reference's, one for one."""
+    model = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=2).model
+    prompt = [int(t) for t in np.random.default_rng(0).permutation(V)] * 2
+    tok = EosAs(lm.tokenizer, eos=10**6)
+    drafters = [PromptLookupDrafter()]
+    engine = Speculator(model, tok, drafters, VerifyAll(drafters), max_draft=3, name="lookup")
+    assert isinstance(engine.planner, Planner)
+    stats = AnswerStats()
+    tokens = [(stats.add(ev), ev.token)[1] for ev in engine(prompt, None, GenerationConfig(40))]
+    want, per_step = reference_lookup(model, prompt, 40, 3)
+    assert tokens == want
+    assert stats.accept_lengths == per_step[: len(stats.accept_lengths)] and sum(stats.accept_lengths) == 39
+    assert stats.accepted_per_step > 1.2  # the test exercises accepted drafts
+
+
+def test_the_lookup_mode_is_the_trivial_planner_with_lookup(lm):
+    decoder = make_decoder(lm, DecodeConfig("lookup"))
+    assert isinstance(decoder.planner, VerifyAll) and [d.kind for d in decoder.free] == ["lookup"]
+    assert decoder.drafter is None
+    assert isinstance(make_decoder(lm, DecodeConfig("speculative")).planner, CostPlanner)
+
+
+class FastStream:
+    """The model drafter as the planner sees it (kind, prior, free): the arithmetic needs no model."""
+
+    kind, free, prior, exit_layer = "fast", False, 0.5, 6
+
+
+def cost_planner(verify_1: float, verify_8: float, rate: float, draft: float = 0.01) -> CostPlanner:
+    """A planner whose costs were measured (a plain step, a verification of 8) and whose rates are held at
+    ``rate`` by a strong prior."""
+    costs = StepCosts(draft_fraction=0.2)
+    costs.observe_plain(verify_1)
+    for _ in range(2):
+        costs.observe_verify(8, verify_8)
+    costs.observe_draft(draft)
+    planner = CostPlanner([PromptLookupDrafter(prior=rate), FastStream()], max_nodes=16, costs=costs)
+    planner.priors["fast"] = rate
+    planner.rates.strength = 1000
+    return planner
+
+
+def lookup_chain() -> DraftTree:
+    tree = DraftTree.root(1)
+    tree.add_chain(0, [2, 3, 4], "lookup")
+    return tree
+
+
+def request(limit: int = 4) -> DraftRequest:
+    return DraftRequest(None, [1, 2, 3, 4, 1], limit, Sampling(), set())
+
+
+def test_the_cost_planner_verifies_only_what_pays():
+    plan = cost_planner(0.050, 0.060, 0.8).plan(lookup_chain(), request())
+    assert list(plan.keep) == [0, 1, 2, 3] and plan.draft is None  # cheap positions, likely drafts: no fast stream
+    assert cost_planner(0.050, 0.400, 0.3).plan(lookup_chain(), request()).plain  # a position costs a token
+    cheap = cost_planner(0.050, 0.060, 0.9, draft=0.002).plan(lookup_chain(), request(limit=8))
+    assert cheap.draft is not None and cheap.draft.after == 3 and cheap.draft.limit == 5  # after lookup's end
+
+
+def test_a_chain_that_pays_as_a_whole_is_verified_whole():
+    """Best-prefix selection: where the first extra position costs much more than the next ones (this CPU's
+    curve), a first proposal that alone would not pay, followed by ones that are sure once it is accepted (a
+    copied span), is verified with them."""
+    costs = StepCosts(CostProfile(0.050, {2: 1.3, 4: 1.34, 8: 1.42}))
+    costs.observe_plain(0.050)
+    planner = CostPlanner([PromptLookupDrafter()], max_nodes=8, costs=costs)
+    for depth, accepted in ((1, 25), (2, 98), (3, 98)):
+        for i in range(100):
+            planner.rates.observe(planner.keys("lookup", depth, None), i < accepted)
+    first = lookup_chain().keep([0, 1])
+    assert planner.plan(first, request()).plain  # 1.25 tokens for 1.3 plain steps: alone it does not pay
+    assert list(planner.plan(lookup_chain(), request()).keep) == [0, 1, 2, 3]  # 1.74 for 1.34 (4 positions)
