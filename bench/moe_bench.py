@@ -34,7 +34,7 @@ from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe import CacheStats, ExpertStore, Link, offload_experts
 from m2r2_mlx.moe.cache import resolve_slots
 from m2r2_mlx.moe.predictors import PREDICTORS
-from m2r2_mlx.moe.profiles import PROFILES, Profile, get_profile, link_for
+from m2r2_mlx.moe.profiles import PROFILES, DeviceProfile, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor, store_folder
 
 import mlx.core as mx
@@ -66,7 +66,7 @@ class MoEBenchConfig:
     max_tokens: int = 48  # new tokens per prompt
     link_gbps: float = 0.5  # 0: unthrottled
     latency_ms: float = 0.05
-    profile: Profile | None = None  # sets the link by its transfer/compute ratio
+    profile: DeviceProfile | None = None  # sets the link by its transfer/compute ratio
     ratio: float | None = None  # as a profile, with this ratio
     regime_ratios: tuple[float, ...] = ()  # also run every method at these ratios, at regime_budget
     regime_budget: float = 25.0

@@ -20,7 +20,7 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
-from m2r2_mlx.errors import M2R2Error, run_cli
+from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
 
@@ -42,9 +42,6 @@ def _main() -> int:
     ap.add_argument("--drafts", default="2,4")
     ap.add_argument("--thresholds", default="0")
     ap.add_argument("--draft-vocabs", default="0", help="0 = the full LM head")
-    ap.add_argument(
-        "--unsure", default="verify", help="verify,drop: the draft below the threshold is verified (default) or dropped"
-    )
     ap.add_argument("--questions", type=Path, default=SPECBENCH, help="Spec-Bench question.jsonl")
     ap.add_argument("--categories", default="mt_bench", help="Spec-Bench categories, 'mt_bench' or 'all'")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
@@ -54,23 +51,18 @@ def _main() -> int:
 
     lm = load_model(args.model)
     qs = select_questions(args.questions, args.categories, args.limit)
-    unsure = args.unsure.split(",")
-    if bad := [u for u in unsure if u not in ("drop", "verify")]:
-        raise M2R2Error(f"--unsure {','.join(bad)}: choose drop and/or verify")
     grid = list(
         itertools.product(
             _ints(args.gates),
             _ints(args.drafts),
             [float(t) for t in args.thresholds.split(",")],
             _ints(args.draft_vocabs),
-            unsure,
         )
     )
-    grid = [k for k in grid if k[2] > 0 or k[4] == unsure[0]]  # without a threshold no draft is unsure
     decoders = {"plain": make_decoder(lm, "plain")}
-    for g, d, t, v, u in grid:
-        config = DecodeConfig("speculative", gate=g, max_draft=d, threshold=t, draft_vocab=v, drop_unsure=u == "drop")
-        decoders[g, d, t, v, u] = make_decoder(lm, config, args.adapters)
+    for g, d, t, v in grid:
+        config = DecodeConfig("speculative", g, "fast", "always", max_draft=d, threshold=t, draft_vocab=v)
+        decoders[g, d, t, v] = make_decoder(lm, config, args.adapters)
     run_turns(lm, decoders["plain"], ["Say hello."], GenerationConfig(8))  # warm-up
     results = {k: {"tokens": 0, "secs": 0.0, "acc": [], "same": 0} for k in decoders}
     with tqdm(total=len(qs) * len(decoders), desc="speculative sweep", unit="answer") as bar:
@@ -93,17 +85,16 @@ def _main() -> int:
         f"({args.categories}), greedy, float32, "
         f"{blas_info().name} BLAS. Decode tokens/s over all prompts; speedup over plain decoding in the same run; "
         "fastest first.\n",
-        "| draft gate | max draft | threshold | draft below it | draft vocab | tokens/s | speedup | tokens/step "
-        "| identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| plain | - | - | - | - | {rate['plain']:.1f} | 1.00x | 1.00 | - |",
+        "| draft gate | max draft | threshold | draft vocab | tokens/s | speedup | tokens/step | identical to plain |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| plain | - | - | - | {rate['plain']:.1f} | 1.00x | 1.00 | - |",
     ]
     for key in rows:
-        g, d, t, v, u = key
+        g, d, t, v = key
         r = results[key]
         acc = sum(r["acc"]) / max(len(r["acc"]), 1)
         lines.append(
-            f"| L{g} | {d} | {t:g} | {u if t > 0 else '-'} | {v or 'full'} | {rate[key]:.1f} | "
+            f"| L{g} | {d} | {t:g} | {v or 'full'} | {rate[key]:.1f} | "
             f"{rate[key] / rate['plain']:.2f}x | {acc:.2f} | {r['same']}/{len(qs)} |"
         )
     text = "\n".join(lines) + "\n"

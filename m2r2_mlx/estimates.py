@@ -3,8 +3,8 @@
 Both planners learn rates online while the text under them changes: the speculative engine whether a drafter's
 proposal is accepted (decoding/planner.py), the expert loader whether a predicted expert is used
 (moe/planner.py). Counts decay every step, so an estimate follows the text (a passage being copied, then new
-writing) and one left unused grows uncertain again. Each learns only from what it chooses to do, so each
-also probes now and then, from a budget of a small share of its time.
+writing) and one left unused grows uncertain again. A planner that learns only from what it chooses to do may
+also probe now and then, from a budget of a small share of its time (the expert loader's governor does).
 """
 
 from __future__ import annotations

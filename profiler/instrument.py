@@ -116,12 +116,12 @@ def _subset_head(p: Patches, rec: Recorder, head, kind: str) -> None:
 
 def _speculator(p: Patches, rec: Recorder, engine) -> None:
     planner = engine.planner
-    plan = lambda a, k, out: {"nodes": len(a[0]), "plain": out.plain, "probe": out.probe}
+    plan = lambda a, k, out: {"nodes": len(a[0]), "plain": out.plain}
     p.attribute(planner, "plan", timed(rec, planner.plan, "plan", "plan", note=plan))
     p.attribute(planner, "observe", timed(rec, planner.observe, "plan", "observe"))
     for drafter in engine.free:
         p.attribute(drafter, "propose", timed(rec, drafter.propose, "lookup", "prompt lookup"))
-    layer = engine.drafter
+    layer = engine.model_drafter
     if layer is not None:
         steps = lambda a, k, n: {"draft_steps": n}
         p.attribute(layer, "propose", timed(rec, layer.propose, "draft", f"draft {layer.name}", note=steps))

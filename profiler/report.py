@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .session import Profile
+from .session import Breakdown
 
 MB, MS = 1e6, 1e3
 
 
-def summary(profile: Profile) -> dict:
+def summary(profile: Breakdown) -> dict:
     p, r = profile, profile.roofline
     steps = len(p.decode_steps)
     return {

@@ -29,7 +29,9 @@ WARMUP_TOKENS = 8  # first-time shapes and allocations, before either timed deco
 
 
 @dataclass
-class Profile:
+class Breakdown:
+    """One m2r2-profile run: a decoder's steps timed by component, beside the machine's limits."""
+
     model: str
     label: str  # the mode, and the expert budget where there is one
     num_layers: int
@@ -88,7 +90,7 @@ def _label(config: ProfileConfig) -> str:
     return f"{mode} @ {config.experts.budget} experts" if config.experts else mode
 
 
-def run_profile(config: ProfileConfig) -> Profile:
+def run_profile(config: ProfileConfig) -> Breakdown:
     lm = load_model(config.model, lazy=config.experts is not None)  # within a budget, experts are never all read
     parts = BaseParts(lm.model)
     print(f"probing this machine ({parts.inner.norm.weight.dtype}): streaming copy and matrix product", file=sys.stderr)
@@ -109,7 +111,7 @@ def run_profile(config: ProfileConfig) -> Profile:
             cache.close()
 
 
-def _profile(config: ProfileConfig, lm, machine: Machine, build, experts, decoder) -> Profile:
+def _profile(config: ProfileConfig, lm, machine: Machine, build, experts, decoder) -> Breakdown:
     generation, kv = config.options.generation, config.options.kv
     prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}], add_generation_prompt=True)
 
@@ -143,7 +145,7 @@ def _profile(config: ProfileConfig, lm, machine: Machine, build, experts, decode
                 work["measured"] = expert_work.work(experts, start).per_token()
     groups = groups_of(lm.num_layers, _gates(config.adapters))
     sizes = verification_sizes(recorder, steps)
-    return Profile(
+    return Breakdown(
         model=lm.name,
         label=_label(config),
         num_layers=lm.num_layers,

@@ -6,7 +6,7 @@ stream only where its drafts pay for their steps."""
 from __future__ import annotations
 
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.costs import CostProfile, StepCosts
+from m2r2_mlx.decoding.costs import Calibration, StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.drafters import PromptLookupDrafter
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
@@ -64,7 +64,7 @@ def test_verify_all_with_lookup_alone_is_prompt_lookup_decoding(lm):
 def test_the_lookup_mode_is_the_trivial_planner_with_lookup(lm):
     decoder = make_decoder(lm, DecodeConfig("lookup"))
     assert isinstance(decoder.planner, VerifyAll) and [d.kind for d in decoder.free] == ["lookup"]
-    assert decoder.drafter is None
+    assert decoder.model_drafter is None
     assert isinstance(make_decoder(lm, DecodeConfig("speculative")).planner, CostPlanner)
 
 
@@ -110,7 +110,7 @@ def test_a_chain_that_pays_as_a_whole_is_verified_whole():
     """Best-prefix selection: where the first extra position costs much more than the next ones (this CPU's
     curve), a first proposal that alone would not pay, followed by ones that are sure once it is accepted (a
     copied span), is verified with them."""
-    costs = StepCosts(CostProfile(0.050, {2: 1.3, 4: 1.34, 8: 1.42}))
+    costs = StepCosts(Calibration(0.050, {2: 1.3, 4: 1.34, 8: 1.42}))
     costs.observe_plain(0.050)
     planner = CostPlanner([PromptLookupDrafter()], max_nodes=8, costs=costs)
     for depth, accepted in ((1, 25), (2, 98), (3, 98)):

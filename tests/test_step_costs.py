@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from m2r2_mlx.decoding.costs import CostProfile, StepCosts, measure_profile
+from m2r2_mlx.decoding.costs import Calibration, StepCosts, measure_calibration
 
-PROFILE = CostProfile(0.050, {2: 1.05, 4: 1.12, 8: 1.3, 16: 1.7})
+PROFILE = Calibration(0.050, {2: 1.05, 4: 1.12, 8: 1.3, 16: 1.7})
 
 
 def steady(costs: StepCosts, plain: float, verify: dict[int, float], steps: int = 9) -> None:
@@ -71,6 +71,6 @@ def test_the_plain_step_is_timed_again_when_it_has_not_been_lately():
 
 
 def test_the_calibration_times_bare_forwards(lm):
-    profile = measure_profile(lm.model, context=16, rounds=1)
+    profile = measure_calibration(lm.model, context=16, rounds=1)
     assert profile.plain > 0 and set(profile.ratios) == {2, 4, 8, 16}
     assert all(r > 0.5 for r in profile.ratios.values()) and profile.ratio(16) >= profile.ratio(2) * 0.9

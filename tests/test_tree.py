@@ -88,7 +88,7 @@ def tiny_m2r2(lm):
 
 
 def verify_all(model, tok, drafters, max_draft: int, width: int = 1) -> Speculator:
-    return Speculator(model, tok, drafters, VerifyAll(drafters, width), max_draft=max_draft, width=width)
+    return Speculator(model, tok, drafters, VerifyAll(drafters), max_draft=max_draft, width=width)
 
 
 def cost_planned(model, tok, drafters, max_draft: int = 8, width: int = 3, **costs) -> Speculator:

@@ -68,7 +68,6 @@ class DecodeConfig:
     max_draft: int | None = None  # most tokens drafted per step
     threshold: float | None = None  # stop a draft below this probability
     draft_vocab: int | None = None  # score drafts over the N most frequent tokens (None: default, 0: all)
-    drop_unsure: bool = False  # drop the draft that fell below the threshold instead of verifying it
     tau: float = 0.9  # early exit's threshold at the first gate
     scaled_tau: bool = True  # deeper gates ask more (early_exit.gate_thresholds)
     compile: bool = False  # plain mode: mx.compile'd steps (generate.CompiledSteps)

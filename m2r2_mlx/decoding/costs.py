@@ -8,7 +8,7 @@ down together and the ratio stands.
 
 No estimate outlives the conditions it was measured in: each size keeps its latest samples (their median), a
 sample older than ``max_age`` steps is dropped, and after ``max_age / 2`` steps without a plain one the planner
-takes a plain step to time it again. A size without fresh samples reads the calibrated curve (a ``CostProfile``:
+takes a plain step to time it again. A size without fresh samples reads the calibrated curve (a ``Calibration``:
 bare forwards of 1-16 positions timed when the decoder is built, about a second, so that the first answer
 already prices drafting by this machine), scaled by how the fresh sizes stand against it.
 """
@@ -40,7 +40,7 @@ def _interpolate(points: dict[int, float], n: int) -> float:
 
 
 @dataclass(frozen=True)
-class CostProfile:
+class Calibration:
     """One model's step costs on this machine: the plain step's seconds and each verification size's cost in plain
     steps."""
 
@@ -51,7 +51,7 @@ class CostProfile:
         return 1.0 if n <= 1 else _interpolate({1: 1.0, **self.ratios}, n)
 
 
-def measure_profile(model, context: int = 64, rounds: int = 3) -> CostProfile:
+def measure_calibration(model, context: int = 64, rounds: int = 3) -> Calibration:
     """Time bare forwards of each of SIZES positions after ``context`` positions of a throwaway cache, after a
     warm-up round (first-time shapes are slow); the median of ``rounds``."""
     cache, token = PromptCache(model), 1
@@ -65,15 +65,16 @@ def measure_profile(model, context: int = 64, rounds: int = 3) -> CostProfile:
                 times[n].append(time.perf_counter() - tic)
             cache.trim(n)
     plain = statistics.median(times[1])
-    return CostProfile(plain, {n: statistics.median(ts) / plain for n, ts in times.items() if n > 1})
+    return Calibration(plain, {n: statistics.median(ts) / plain for n, ts in times.items() if n > 1})
 
 
 class StepCosts:
-    """The running estimates. ``prior``: the calibrated profile (None: what this instance measures alone);
+    """The running estimates. ``calibration``: the costs measured when the decoder was built (None: what this
+    instance measures alone);
     ``draft_fraction``: a draft step's cost in plain steps before one is timed, without a profile."""
 
-    def __init__(self, prior: CostProfile | None = None, draft_fraction: float = 0.2, window: int = 9, max_age=64):
-        self.prior, self.draft_fraction, self.window, self.max_age = prior, draft_fraction, window, max_age
+    def __init__(self, calibration: Calibration | None = None, draft_fraction=0.2, window: int = 9, max_age=64):
+        self.calibration, self.draft_fraction, self.window, self.max_age = calibration, draft_fraction, window, max_age
         self.step = 0  # steps taken (plain or verification): the clock that ages measurements
         self.plains: deque = deque(maxlen=window)  # (step, seconds)
         self.samples: dict[int, deque] = {}  # positions -> (step, plain steps)
@@ -115,10 +116,13 @@ class StepCosts:
         return self.step - latest > self.max_age // 2
 
     def plain_seconds(self) -> float:
-        """The plain step now: its fresh measurements, else its latest, else the profile's. Its absolute value only
-        scales the others: decisions compare ratios."""
+        """The plain step now: its fresh measurements, else its latest, else the calibration's. Its absolute value
+        only scales the others: decisions compare ratios."""
+        return self._memoized(("plain",), self._plain_seconds)
+
+    def _plain_seconds(self) -> float:
         fresh = self._fresh(self.plains) or [v for _, v in self.plains][-1:]
-        return statistics.median(fresh) if fresh else self.prior.plain if self.prior else 0.05
+        return statistics.median(fresh) if fresh else self.calibration.plain if self.calibration else 0.05
 
     def ratio(self, n: int) -> float:
         """A verification of ``n`` positions in plain steps (1 for the plain step itself)."""
@@ -128,14 +132,14 @@ class StepCosts:
         measured = {k: statistics.median(v) for k, s in self.samples.items() if len(v := self._fresh(s)) >= 2}
         if n in measured:
             return measured[n]
-        if self.prior is None:
+        if self.calibration is None:
             return _interpolate({1: 1.0, **measured}, n)
-        return self.prior.ratio(n) * self._memoized(("scale",), self._scale)
+        return self.calibration.ratio(n) * self._memoized(("scale",), self._scale)
 
     def _scale(self) -> float:
         """How the fresh samples, every size's, stand against the calibrated curve: a whole step pays for more than
         the bare forwards the calibration timed."""
-        scale = [v / self.prior.ratio(k) for k, s in self.samples.items() for v in self._fresh(s)]
+        scale = [v / self.calibration.ratio(k) for k, s in self.samples.items() for v in self._fresh(s)]
         return min(max(statistics.median(scale), 0.5), 4.0) if scale else 1.0
 
     def verify_cost(self, n: int) -> float:

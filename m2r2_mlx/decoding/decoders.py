@@ -16,7 +16,7 @@ from ..core.draft_vocab import FILE, load_draft_vocab
 from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_adapters
 from ..errors import M2R2Error
 from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, MAX_WIDTH, PLANNERS, DecodeConfig
-from .costs import StepCosts, measure_profile
+from .costs import StepCosts, measure_calibration
 from .drafters import LayerDrafter, PromptLookupDrafter
 from .early_exit import EarlyExitDecoder, ExitPolicy, confidence
 from .generate import PlainDecoder
@@ -77,7 +77,6 @@ def make_drafter(lm, config: DecodeConfig, adapters: str | Path | None = None) -
         threshold=threshold,
         vocab=vocab,
         adapters=mode == "speculative",
-        drop_unsure=config.drop_unsure,
     )
 
 
@@ -138,10 +137,10 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
     if planner == "cost":
         model = next((d for d in drafters if not d.free), None)
         fraction = model.exit_layer / lm.num_layers if model else 0.0  # a draft step's cost before one is timed
-        costs = StepCosts(measure_profile(lm.model), draft_fraction=fraction)  # a first answer pays nothing for it
+        costs = StepCosts(measure_calibration(lm.model), draft_fraction=fraction)  # a first answer pays nothing for it
         chosen = CostPlanner(drafters, max_draft * width, costs)
     else:
-        chosen = VerifyAll(drafters, width)
+        chosen = VerifyAll(drafters)
     engine = Speculator(
         lm.model,
         lm.tokenizer,

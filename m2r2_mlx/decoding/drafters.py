@@ -33,18 +33,16 @@ class LayerDrafter:
         threshold: float = 0.0,
         vocab: Sequence[int] | None = None,
         adapters: bool = True,
-        drop_unsure: bool = False,
         prior: float | None = None,
     ):
         """``prior``: the acceptance rate to start from (default: the held-out agreement of this exit with the full
         model that the adapters' trainer recorded, naive exit's for layer-skip; 0.3 where none was)."""
         self.m2r2, self.gate_index, self.threshold, self.adapters = m2r2, gate_index, threshold, adapters
-        self.drop_unsure = drop_unsure
         self.exit_layer = m2r2.config.intervals()[gate_index][1]
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
         self.kind = "fast" if adapters else "layerskip"
         self.name = f"{self.kind}@L{self.exit_layer}"
-        self.confidences: list[float] = []  # the last call's draft probabilities, a dropped one included
+        self.confidences: list[float] = []  # the last call's draft probabilities
         # A context feature reads the previous position's final residual: the cache keeps the verifier's
         # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
         self.keeps_states = adapters and gate_index == 0 and m2r2.config.context_feature
@@ -54,13 +52,12 @@ class LayerDrafter:
     def propose(self, tree: DraftTree, request: DraftRequest) -> int:
         """Draft up to ``request.limit`` tokens after node ``request.after``; returns the draft steps taken.
         A ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
-        proposals); ``go_on(tree, node, confidence)`` decides whether to draft another token (default: while
+        proposals); ``go_on(tree, node)`` decides whether to draft another token (default: while
         confidence >= threshold). After a deeper node, the tokens on the way to it (another drafter's) first
         run through the drafter's layers in one pass, writing their provisional keys and values."""
         cache, limit, s, eos_ids = request.cache, request.limit, request.sampling, request.eos_ids
         width, go_on, after = request.width, request.go_on, request.after
         self.confidences = []
-        drop = self.threshold > 0 and self.drop_unsure
         path = tree.path(after)
         cur, parent, steps, written = tree.tokens[after], after, 0, len(path) - 1
         h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
@@ -79,15 +76,7 @@ class LayerDrafter:
             top = mx.argpartition(-probs, width - 1)[:width] if steps == 1 and width > 1 else None
             d, conf = int(self._token(i).item()), probs[i].item()
             self.confidences.append(conf)
-            unsure = conf < self.threshold
-            if unsure and drop:
-                break
-            q = None
-            if not s.greedy:
-                if drop:  # a kept draft was drawn from q restricted to {q >= threshold}: verify against that law
-                    probs = mx.where(probs >= self.threshold, probs, 0.0)
-                    probs = probs / probs.sum()
-                q = probs if self.head is None else self.head.full(probs, 0.0)
+            q = None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0)
             node = tree.add(parent, d, self.kind, q)
             tree.signal[(self.kind, node)] = conf
             if top is not None:  # chosen from q alone, whatever was sampled: deterministic proposals
@@ -95,7 +84,7 @@ class LayerDrafter:
                     extra = tree.add(after, int(self._token(mx.array(j)).item()), self.kind)
                     tree.signal.setdefault((self.kind, extra), probs[j].item())
             parent, cur = node, d
-            if d in eos_ids or (unsure if go_on is None else not go_on(tree, node, conf)):
+            if d in eos_ids or (conf < self.threshold if go_on is None else not go_on(tree, node)):
                 break  # an unsure draft is still verified (Kangaroo's rule), but none is drafted after it
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
             layer.trim(written + steps)

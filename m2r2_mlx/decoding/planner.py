@@ -37,12 +37,11 @@ class VerifyAll:
     """Every proposal verified; the model drafter (if any) drafts from the root on every step, as far as the
     step's limit and its own confidence threshold allow."""
 
-    def __init__(self, drafters: list[Drafter], width: int = 1):
-        self.drafts, self.width = any(not d.free for d in drafters), width
+    def __init__(self, drafters: list[Drafter]):
+        self.drafts = any(not d.free for d in drafters)
 
     def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
-        draft = replace(request, width=self.width) if self.drafts and request.limit > 0 else None
-        return StepPlan(range(len(tree)), draft)
+        return StepPlan(range(len(tree)), request if self.drafts and request.limit > 0 else None)
 
     def observe(self, outcome: Outcome) -> None:
         pass
@@ -60,7 +59,7 @@ class CostPlanner:
     def __init__(self, drafters: list[Drafter], max_nodes: int, costs: StepCosts):
         self.priors = {d.kind: d.prior for d in drafters}
         model = next((d for d in drafters if not d.free), None)
-        self.fast = None if model is None else model.kind  # the model drafter's kind
+        self.model_kind = None if model is None else model.kind  # the model drafter's: "fast" or "layerskip"
         self.max_nodes, self.costs = max_nodes, costs
         self.rates = Rates(strength=2.0, decay=0.995)
 
@@ -95,21 +94,21 @@ class CostPlanner:
                 best, best_tokens, best_seconds = n, tokens, seconds
         return sorted([0, *order[:best]]), best_tokens, best_seconds
 
-    def fast_pays(self, tree: DraftTree, anchor: int, n: int, tokens: float, seconds: float, limit: int) -> bool:
+    def drafting_pays(self, tree: DraftTree, anchor: int, n: int, tokens: float, seconds: float, limit: int) -> bool:
         """Whether the fast stream drafting after ``anchor`` raises the expected tokens per second of a step that
         verifies ``n`` nodes for ``tokens`` in ``seconds``, at some depth up to ``limit``."""
         pi, draft, rate = self.reach(tree)[anchor], self.costs.draft_cost(), tokens / seconds
         for depth in range(1, limit + 1):
-            pi *= self.rate(self.fast, tree.depths[anchor] + depth)
+            pi *= self.rate(self.model_kind, tree.depths[anchor] + depth)
             tokens, seconds, n = tokens + pi, seconds + draft + self.costs.extra(n), n + 1
             if tokens / seconds > rate:
                 return True
         return False
 
-    def go_on(self, tree: DraftTree, node: int, confidence: float) -> bool:
+    def go_on(self, tree: DraftTree, node: int) -> bool:
         """For the fast stream's chain: after it drafted ``node``, whether one more draft step is expected to pay."""
         keep, tokens, seconds = self.select(tree)
-        pi = self.reach(tree)[node] * self.rate(self.fast, tree.depths[node] + 1)
+        pi = self.reach(tree)[node] * self.rate(self.model_kind, tree.depths[node] + 1)
         return pi * seconds > tokens * (self.costs.draft_cost() + self.costs.extra(len(keep)))
 
     # ---- the protocol ------------------------------------------------------------------------------------
@@ -117,7 +116,7 @@ class CostPlanner:
         if self.costs.plain_due:  # the plain step is timed again before anything is priced against it
             return StepPlan([0])
         keep, tokens, seconds = self.select(tree)
-        if self.fast is None:
+        if self.model_kind is None:
             return StepPlan(keep)
         leaves = [n for n in keep if not any(tree.parents[c] == n for c in keep)]
         reach = self.reach(tree)
@@ -125,18 +124,20 @@ class CostPlanner:
         room = request.limit - tree.depths[anchor]
         if room <= 0 or tree.tokens[anchor] in request.eos_ids:
             return StepPlan(keep)
-        if not self.fast_pays(tree, anchor, len(keep), tokens, seconds, room):
+        if not self.drafting_pays(tree, anchor, len(keep), tokens, seconds, room):
             return StepPlan(keep)
         width = request.width if anchor == 0 else 1
         return StepPlan(keep, replace(request, limit=room, width=width, go_on=self.go_on, after=keep.index(anchor)))
 
     def observe(self, outcome: Outcome) -> None:
         costs, tree = self.costs, outcome.tree
+        if outcome.seconds is None:
+            return
         if outcome.plain:
-            if outcome.seconds is not None:
-                costs.observe_plain(outcome.seconds)
+            costs.observe_plain(outcome.seconds)
         else:
-            costs.observe_verify(len(tree), outcome.seconds - outcome.draft_seconds)
+            if len(tree) > 1:
+                costs.observe_verify(len(tree), outcome.seconds - outcome.draft_seconds)
             if outcome.draft_steps:
                 costs.observe_draft(outcome.draft_seconds / outcome.draft_steps)
             on_path = set(outcome.path)

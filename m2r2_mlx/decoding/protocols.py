@@ -41,8 +41,8 @@ class DraftRequest:
     sampling: Sampling
     eos_ids: set[int]
     width: int = 1  # candidates at the first draft position
-    # after drafting a node (with its probability), whether to draft another: go_on(tree, node, probability)
-    go_on: Callable[[DraftTree, int, float], bool] | None = None
+    # after drafting a node, whether to draft another: go_on(tree, node) (None: the drafter's own threshold)
+    go_on: Callable[[DraftTree, int], bool] | None = None
     after: int = 0  # draft after this node of the tree (default the root)
 
 
@@ -69,7 +69,6 @@ class StepPlan:
 
     keep: Sequence[int]
     draft: DraftRequest | None = None
-    probe: bool = False  # drafting the planner would not choose, to measure it again
 
     @property
     def plain(self) -> bool:
@@ -87,11 +86,7 @@ class Outcome:
     seconds: float | None  # None: not timed (a plain stretch's first step waited for its own forward)
     draft_seconds: float = 0.0
     draft_steps: int = 0
-    context: int = 0  # positions in the cache when the step began
-
-    @property
-    def plain(self) -> bool:
-        return len(self.tree) == 1
+    plain: bool = False  # a pipelined plain step (a verification step is not, even of the root alone)
 
 
 @runtime_checkable

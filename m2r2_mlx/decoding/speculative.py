@@ -1,22 +1,17 @@
 """Lossless speculative decoding: drafters propose a tree of tokens, the full model verifies it in one forward.
 
-One step, with y the last emitted token (not yet in the cache), in ``Speculator.__call__``:
-1. propose: the free drafters (prompt lookup) add their proposals after y;
-2. plan: the planner (planner.py) keeps the proposals worth verifying and says whether the model drafter (the
-   M2R2 fast stream, or a naive layer exit) drafts, after which node and how far;
-3. the model drafter drafts as told;
-4. verify: the full model runs once over the tree (tree.py) and ``verify_tree`` accepts a path and draws the
-   full model's own next token; the cache keeps the path's keys and values (commit);
-5. observe: the planner learns what the step cost and what was accepted;
-6. the path's tokens and the new one are emitted.
-Where the plan verifies nothing the engine decodes plainly, each step queued before the previous token is read
-as plain decoding does, asking the planner after each token whether drafting would now pay. Greedy output is
-the full model's greedy output token for token; sampled output has its distribution.
+``Speculator.__call__`` is one step after another: the free drafters (prompt lookup) propose after y, the last
+emitted token; the planner (planner.py) keeps what is worth verifying and says where and how far the model drafter
+(the M2R2 fast stream, or a naive layer exit) drafts; one forward over the tree (tree.py) verifies, accepting a
+path and drawing the full model's next token; the cache keeps the path; the planner observes the step; the tokens
+go out. Where the plan verifies nothing, the engine decodes plainly, pipelined as plain decoding is, until drafting
+would pay. Greedy output is the full model's greedy output token for token; sampled output has its distribution.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -57,12 +52,11 @@ class Speculator:
             )
         self.model, self.tokenizer, self.planner = model, tokenizer, planner
         self.free = [d for d in drafters if d.free]
-        self.drafter = next((d for d in drafters if not d.free), None)  # the model drafter
+        self.model_drafter = next((d for d in drafters if not d.free), None)
         self.max_draft, self.width, self.name, self.context_length = max_draft, width, name, context_length
         self.exit_layers = sorted({d.exit_layer for d in drafters} | {len(layers)})  # for legends
-        self.needs_adapters = self.drafter is not None and self.drafter.kind == "fast"
+        self.needs_adapters = self.model_drafter is not None and self.model_drafter.kind == "fast"
         self.note = ""  # one line an app shows when the decoder is built (what it runs without)
-        self.status = "plain"  # the last step's plan, for the chat's panel
 
     def __call__(
         self, prompt: Sequence[int], cache: PromptCache | None = None, generation: GenerationConfig | None = None
@@ -70,43 +64,45 @@ class Speculator:
         """Decode ``prompt``: each accepted draft is an event with ``drafted`` and its ``source``; the step's
         ``plan`` rides on every event."""
         generation = generation or GenerationConfig()
-        s = generation.sampling
-        keep_states = self.drafter is not None and self.drafter.keeps_states
+        s, drafter = generation.sampling, self.model_drafter
+        keep_states = drafter is not None and drafter.keeps_states
         cache, logits, events = start_decoding(
             self.model, self.tokenizer, list(prompt), cache, generation, self.context_length, keep_states
         )
         ev = events.event(next_token(logits, s, cache))
         yield ev
         while not ev.finish_reason:
-            y, tic, context = ev.token, time.perf_counter(), len(cache)
+            y, tic = ev.token, time.perf_counter()
             request = self._request(cache, cache.tokens + [y], events, s)
             tree = DraftTree.root(y)
-            for drafter in self.free:  # 1. propose
-                drafter.propose(tree, request)
+            for free in self.free:  # 1. propose
+                free.propose(tree, request)
             plan = self.planner.plan(tree, request)  # 2. plan
             if plan.plain:
-                for ev in self._plain_stretch(cache, y, events, s):
+                for ev in self._plain_stretch(cache, y, events, s):  # its last event is the next step's y
                     yield ev
                 continue
             tree, draft_seconds, draft_steps = tree.keep(plan.keep), 0.0, 0
             if plan.draft is not None:  # 3. the model drafter, as planned
-                draft_seconds = time.perf_counter()
-                draft_steps = self.drafter.propose(tree, plan.draft)
-                draft_seconds = time.perf_counter() - draft_seconds
+                t0 = time.perf_counter()
+                draft_steps = drafter.propose(tree, plan.draft)
+                draft_seconds = time.perf_counter() - t0
+                if s.greedy:  # exact for any tree: drop what the drafts did not make worth verifying
+                    tree = tree.keep(self.planner.plan(tree, replace(request, limit=0)).keep)
             history = cache.tokens if s.reads_history else ()  # 4. verify and commit
             path, token = verify_tree(cache.forward_tree(tree), tree, s, history)
             cache.commit(path, len(tree))
             seconds = time.perf_counter() - tic  # 5. observe
-            self.planner.observe(Outcome(tree, path, token, seconds, draft_seconds, draft_steps, context))
-            self.status = ("probe " if plan.probe else "") + describe(tree)
+            self.planner.observe(Outcome(tree, path, token, seconds, draft_seconds, draft_steps))
+            status = describe(tree)
             for node in path[1:]:  # 6. emit
-                source = "lookup" if "lookup" in tree.sources[node] else self.drafter.kind
-                layer = 0 if source == "lookup" else self.drafter.exit_layer
-                ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=self.status)
+                source = "lookup" if "lookup" in tree.sources[node] else drafter.kind
+                layer = 0 if source == "lookup" else drafter.exit_layer
+                ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=status)
                 yield ev
                 if ev.finish_reason:
                     return
-            ev = events.event(token, plan=self.status)
+            ev = events.event(token, plan=status)
             yield ev
 
     def _request(self, cache: PromptCache, context: list[int], events: EventStream, s: Sampling) -> DraftRequest:
@@ -114,11 +110,11 @@ class Speculator:
         return DraftRequest(cache, context, limit, s, events.eos_ids, self.width)
 
     def _plain_stretch(self, cache: PromptCache, y: int, events: EventStream, s: Sampling) -> Iterator[TokenEvent]:
-        """Plain decoding after ``y``, each step built and queued before the previous token is read (as generate
-        does; a draft-and-verify step cannot), while the planner expects no draft to pay. After each token the
-        planner is asked whether drafting after it would; the stretch then ends with the token in flight emitted.
-        Leaving depends only on tokens already read, never on the one in flight. The planner observes each plain
-        step's time, the pipelined one drafting has to beat."""
+        """Plain decoding after ``y``, each step queued before the previous token is read (as generate does; a
+        draft-and-verify step cannot), while the planner expects no draft to pay. After each token the planner is
+        asked whether drafting after it would; the stretch then ends with the token in flight emitted. Leaving
+        depends only on tokens already read, never on the one in flight. The planner observes each plain step's
+        time: the pipelined one that drafting has to beat."""
         context = cache.tokens + [y]  # ints: reading the cache's would wait for the step in flight
         sample = NextToken(s, context[:-1])  # as generate draws it
 
@@ -128,14 +124,13 @@ class Speculator:
             mx.async_eval(token)
             return token
 
-        pending, tic, leave = step(mx.array([y])), None, False
-        self.status = "plain"
+        y, tic, leave = step(mx.array([y])), None, False
         while True:
-            after = None if leave or events.n + 1 >= events.max_tokens else step(pending[None])
-            context.append(int(pending.item()))
+            next_y = None if leave or events.n + 1 >= events.max_tokens else step(y[None])
+            context.append(int(y.item()))
             toc = time.perf_counter()
             seconds = None if tic is None else toc - tic  # (the first waited for its own forward: not pipelined)
-            self.planner.observe(Outcome(DraftTree.root(context[-2]), [0], context[-1], seconds, context=len(context)))
+            self.planner.observe(Outcome(DraftTree.root(context[-2]), [0], context[-1], seconds, plain=True))
             ev = events.event(context[-1], plan="plain")
             yield ev
             tic = time.perf_counter()  # the caller's time with the token is not the step's
@@ -143,13 +138,13 @@ class Speculator:
                 return
             request = self._request(cache, context, events, s)
             tree = DraftTree.root(context[-1])
-            for drafter in self.free:
-                drafter.propose(tree, request)
+            for free in self.free:
+                free.propose(tree, request)
             # one more token comes before the draft step: leave only where that step may still draft
-            leave = request.limit > 1 and not self.planner.plan(tree, request).plain
+            leave = events.max_tokens - events.n > 2 and not self.planner.plan(tree, request).plain
             if events.n % 256 == 0:
                 mx.clear_cache()
-            pending = after
+            y = next_y
 
 
 def speculative_generate(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs
 
@@ -42,10 +43,6 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def drafted(self) -> int:
-        return len(self.tokens) - 1
 
     def child(self, parent: int, token: int) -> int | None:
         for node, _ in self.proposals[parent]:
@@ -106,20 +103,16 @@ class DraftTree:
 
     def mask(self, offset: int) -> mx.array:
         """(N, offset + N) booleans: every node sees the cache and its own ancestors (itself included)."""
-        n = len(self)
-        ancestors = [[False] * n for _ in range(n)]
-        for i in range(n):
-            for j in self.path(i):
-                ancestors[i][j] = True
-        return mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
+        ancestors = np.zeros((len(self), len(self)), dtype=bool)
+        for i in range(len(self)):
+            ancestors[i, self.path(i)] = True
+        return mx.concatenate([mx.ones((len(self), offset), dtype=mx.bool_), mx.array(ancestors)], axis=1)
 
 
 def describe(tree: DraftTree) -> str:
     """ "plain", or the proposals by drafter: "lookup 4 + fast 1"."""
-    if len(tree) == 1:
-        return "plain"
     counts = Counter(kind for node in range(1, len(tree)) for kind in tree.sources[node])
-    return " + ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
+    return " + ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) or "plain"
 
 
 class _TreeRoPE:

@@ -17,7 +17,7 @@ from .link import Link
 
 
 @dataclass(frozen=True)
-class Profile:
+class DeviceProfile:
     name: str
     what: str
     expert_mb: float  # one expert's bytes on the real device (MB)
@@ -39,7 +39,7 @@ class Profile:
 # one expert 6.29M weights, one layer's active weights 16.8M (attention) + 8 x 6.29M (experts) = 67.1M.
 _EXPERT_W, _LAYER_W = 6.291e6, 67.1e6
 PROFILES = {
-    "macbook": Profile(
+    "macbook": DeviceProfile(
         "macbook",
         "OLMoE-1B-7B at 4-bit (MLX, group 64) on an Apple laptop (M3 Pro, 150 GB/s), experts read from its SSD",
         expert_mb=_EXPERT_W * 0.5625 / 1e6,
@@ -47,7 +47,7 @@ PROFILES = {
         latency_ms=0.1,
         layer_ms=_LAYER_W * 0.5625 / 150e9 / 0.6 * 1e3,
     ),
-    "pcie-gpu": Profile(
+    "pcie-gpu": DeviceProfile(
         "pcie-gpu",
         "OLMoE-1B-7B in bfloat16 on a discrete GPU (RTX 4090, 1,008 GB/s) fed over PCIe 4.0 x16 from "
         "pinned host memory",
@@ -59,7 +59,7 @@ PROFILES = {
 }
 
 
-def get_profile(name: str) -> Profile:
+def get_profile(name: str) -> DeviceProfile:
     try:
         return PROFILES[name]
     except KeyError:
