@@ -76,7 +76,7 @@ def test_bench_samples_when_asked(tmp_path):
             "--max-tokens",
             "16",
             "--methods",
-            "plain,mlx-lm,m2r2",
+            "plain,mlx-lm,speculative",
             "--temperature",
             "1.0",
             "--top-p",

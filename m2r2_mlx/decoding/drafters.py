@@ -94,6 +94,17 @@ class LayerDrafter:
         return self.head.ids[i] if self.head is not None else i
 
 
+MATCH_CAP = 16  # how far back a lookup match is measured
+
+
+def _match_length(ctx: np.ndarray, start: int, n: int) -> int:
+    """How many tokens before ``ctx[start:start + n]`` (an earlier occurrence of the last n) also match."""
+    m = n
+    while m < MATCH_CAP and start - (m - n) > 0 and ctx[start - (m - n) - 1] == ctx[len(ctx) - m - 1]:
+        m += 1
+    return m
+
+
 class PromptLookupDrafter:
     exit_layer = 0  # drafted tokens used no layer at all
     free = True
@@ -105,7 +116,8 @@ class PromptLookupDrafter:
 
     def continuations(self, context: Sequence[int], limit: int, width: int = 1) -> list[tuple[list[int], int]]:
         """Up to ``width`` continuations (distinct first tokens) of earlier occurrences of the context's last
-        n-gram, each with its n: the longest n first, then the latest occurrence."""
+        n-gram: the longest n first, then the latest occurrence. Each comes with the length of its match (the
+        n-gram extended backwards, up to ``MATCH_CAP``): a long match is a passage being copied."""
         ctx = np.asarray(context)
         found: list[tuple[list[int], int]] = []
         for n in range(self.max_ngram, self.min_ngram - 1, -1) if limit > 0 else ():
@@ -118,7 +130,7 @@ class PromptLookupDrafter:
             for start in starts[::-1]:
                 cont = ctx[start + n : start + n + limit].tolist()
                 if all(cont[0] != c[0][0] for c in found):
-                    found.append((cont, n))
+                    found.append((cont, _match_length(ctx, start, n)))
                     if len(found) == width:
                         return found
         return found

@@ -8,7 +8,7 @@
 The cost planner's arithmetic. A verification over n positions costs c(n) seconds, a fast-stream draft step d
 (costs.StepCosts: plain steps measured on the running machine). A drafted node is accepted with probability pi,
 the product along its path of each node's acceptance rate given its parent was accepted, learnt per drafter,
-depth and signal (lookup's matched n-gram length, the fast stream's draft probability). A step verifying n nodes
+depth and signal (the length of lookup's match, the fast stream's draft probability). A step verifying n nodes
 yields E = 1 + sum(pi) tokens in c(n) seconds. Nodes join in order of pi, and the prefix with the most tokens per
 second is verified: a copied span whose first token alone would not pay can pay as a whole. The fast stream drafts
 only where the nodes it is expected to add pay for its draft steps. The root alone is plain decoding, so a step
@@ -31,6 +31,7 @@ from .protocols import Drafter, DraftRequest, Outcome, StepPlan
 from .tree import DraftTree
 
 CONFIDENCE_EDGES = (0.1, 0.2, 0.4, 0.6, 0.8)  # fast-stream draft probability buckets
+MATCH_EDGES = (2, 3, 4, 8)  # lookup match lengths: 1, 2, 3, 4-7, 8+ tokens
 
 
 class VerifyAll:
@@ -48,8 +49,9 @@ class VerifyAll:
 
 
 def signal_bucket(kind: str, signal: float) -> int:
-    """Lookup's n-gram length (1, 2, 3+), or the fast stream's draft probability bucket."""
-    return min(int(signal), 3) if kind == "lookup" else bisect.bisect_right(CONFIDENCE_EDGES, signal)
+    """Lookup's match length bucket, or the fast stream's draft probability bucket."""
+    edges = MATCH_EDGES if kind == "lookup" else CONFIDENCE_EDGES
+    return bisect.bisect_right(edges, signal)
 
 
 class CostPlanner:
@@ -62,13 +64,17 @@ class CostPlanner:
         self.model_kind = None if model is None else model.kind  # the model drafter's: "fast" or "layerskip"
         self.max_nodes, self.costs = max_nodes, costs
         self.rates = Rates(strength=2.0, decay=0.995)
+        self.unverified: tuple[DraftTree, int] | None = None  # a stretch's proposals, and the node its tokens reached
 
     # ---- estimates ---------------------------------------------------------------------------------------
     @staticmethod
     def keys(kind: str, depth: int, signal: float | None) -> tuple:
-        """From the finest to the coarsest: by drafter, depth (1-4+) and signal bucket; by drafter and depth."""
-        coarse = (kind, min(depth, 4))
-        return (coarse,) if signal is None else ((*coarse, signal_bucket(kind, signal)), coarse)
+        """From the finest to the coarsest: by drafter, signal bucket and depth (1-4+); by drafter and signal
+        bucket (what the signal says holds at every depth: a long match is a passage being copied)."""
+        if signal is None:
+            return ((kind, min(depth, 4)),)
+        coarse = (kind, signal_bucket(kind, signal))
+        return ((*coarse, min(depth, 4)), coarse)
 
     def rate(self, kind: str, depth: int, signal: float | None = None) -> float:
         read = self.rates.mean if kind == "lookup" else self.rates.optimistic
@@ -130,6 +136,10 @@ class CostPlanner:
         return StepPlan(keep, replace(request, limit=room, width=width, go_on=self.go_on, after=keep.index(anchor)))
 
     def observe(self, outcome: Outcome) -> None:
+        if outcome.plain:
+            self.score_unverified(outcome.tree, outcome.token)
+        else:
+            self.unverified = None
         costs, tree = self.costs, outcome.tree
         if outcome.seconds is None:
             return
@@ -142,9 +152,23 @@ class CostPlanner:
                 costs.observe_draft(outcome.draft_seconds / outcome.draft_steps)
             on_path = set(outcome.path)
             for node in range(1, len(tree)):
-                if tree.parents[node] in on_path:  # put to the test: count it for each drafter that proposed it
-                    for kind in tree.sources[node]:
-                        keys = self.keys(kind, tree.depths[node], tree.signal.get((kind, node)))
-                        self.rates.observe(keys, node in on_path)
+                if tree.parents[node] in on_path:  # put to the test
+                    self.tested(tree, node, node in on_path)
         costs.tick()
         self.rates.tick()
+
+    def tested(self, tree: DraftTree, node: int, accepted: bool) -> None:
+        """Count the outcome for each drafter that proposed ``node``."""
+        for kind in tree.sources[node]:
+            self.rates.observe(self.keys(kind, tree.depths[node], tree.signal.get((kind, node))), accepted)
+
+    def score_unverified(self, proposals: DraftTree, token: int) -> None:
+        """A plain step verifies none of the free drafters' ``proposals`` (made after the token before ``token``),
+        yet the tokens it emits score them as verification would: a copied token is accepted where it equals the
+        model's token (greedy, and with the same probability when sampled). A chain is followed token by token
+        while it matches, so a stretch keeps teaching the rates and ends where the text starts to repeat."""
+        tree, node = self.unverified or (proposals, 0)
+        for child in tree.children(node):
+            self.tested(tree, child, tree.tokens[child] == token)
+        hit = tree.child(node, token)
+        self.unverified = (tree, hit) if hit is not None and tree.children(hit) else None

@@ -77,8 +77,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one step did: the tree verified (the root alone for a plain step), the path accepted, the full model's
-    token after it, and the step's seconds (drafting's share apart)."""
+    """What one step did: the tree verified (for a plain step: the free drafters' proposals, none verified), the
+    path accepted, the full model's token after it, and the step's seconds (drafting's share apart)."""
 
     tree: DraftTree
     path: Sequence[int]

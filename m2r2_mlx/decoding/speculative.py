@@ -79,7 +79,7 @@ class Speculator:
                 free.propose(tree, request)
             plan = self.planner.plan(tree, request)  # 2. plan
             if plan.plain:
-                for ev in self._plain_stretch(cache, y, events, s):  # its last event is the next step's y
+                for ev in self._plain_stretch(cache, tree, events, s):  # its last event is the next step's y
                     yield ev
                 continue
             tree, draft_seconds, draft_steps = tree.keep(plan.keep), 0.0, 0
@@ -109,12 +109,16 @@ class Speculator:
         limit = min(events.max_tokens - events.n - 1, self.max_draft)
         return DraftRequest(cache, context, limit, s, events.eos_ids, self.width)
 
-    def _plain_stretch(self, cache: PromptCache, y: int, events: EventStream, s: Sampling) -> Iterator[TokenEvent]:
-        """Plain decoding after ``y``, each step queued before the previous token is read (as generate does; a
-        draft-and-verify step cannot), while the planner expects no draft to pay. After each token the planner is
-        asked whether drafting after it would; the stretch then ends with the token in flight emitted. Leaving
-        depends only on tokens already read, never on the one in flight. The planner observes each plain step's
-        time: the pipelined one that drafting has to beat."""
+    def _plain_stretch(
+        self, cache: PromptCache, proposals: DraftTree, events: EventStream, s: Sampling
+    ) -> Iterator[TokenEvent]:
+        """Plain decoding after ``proposals``' root, each step queued before the previous token is read (as generate
+        does; a draft-and-verify step cannot), while the planner expects no draft to pay. After each token the
+        planner is asked whether drafting after it would; the stretch then ends with the token in flight emitted.
+        Leaving depends only on tokens already read, never on the one in flight. The planner observes each plain
+        step: its time (the pipelined one that drafting has to beat) and its token after the unverified proposals.
+        """
+        y = proposals.tokens[0]
         context = cache.tokens + [y]  # ints: reading the cache's would wait for the step in flight
         sample = NextToken(s, context[:-1])  # as generate draws it
 
@@ -130,18 +134,18 @@ class Speculator:
             context.append(int(y.item()))
             toc = time.perf_counter()
             seconds = None if tic is None else toc - tic  # (the first waited for its own forward: not pipelined)
-            self.planner.observe(Outcome(DraftTree.root(context[-2]), [0], context[-1], seconds, plain=True))
+            self.planner.observe(Outcome(proposals, [0], context[-1], seconds, plain=True))
             ev = events.event(context[-1], plan="plain")
             yield ev
             tic = time.perf_counter()  # the caller's time with the token is not the step's
             if ev.finish_reason or leave:
                 return
             request = self._request(cache, context, events, s)
-            tree = DraftTree.root(context[-1])
+            proposals = DraftTree.root(context[-1])
             for free in self.free:
-                free.propose(tree, request)
+                free.propose(proposals, request)
             # one more token comes before the draft step: leave only where that step may still draft
-            leave = events.max_tokens - events.n > 2 and not self.planner.plan(tree, request).plain
+            leave = events.max_tokens - events.n > 2 and not self.planner.plan(proposals, request).plain
             if events.n % 256 == 0:
                 mx.clear_cache()
             y = next_y

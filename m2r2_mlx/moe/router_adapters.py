@@ -17,8 +17,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..atomic import atomic_folder, refuse_existing
+from ..checksums import RECORD
 from ..core.adapters import load_adapters, new_m2r2
 from ..core.config import ADAPTERS_FILE, CONFIG_FILE, even_gates
+from ..core.integrity import record_hashes
 from ..errors import M2R2Error
 from ..training.data import pack_rows, read_text_files
 from .router_target import RouterTarget, RouterTargetConfig
@@ -107,6 +109,7 @@ def train_router_adapters(lm, spec: RouterAdaptersSpec, progress: bool = True) -
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
         for other in sorted(spec.init.iterdir()) if spec.init is not None else ():
-            if other.is_file() and other.name not in (ADAPTERS_FILE, CONFIG_FILE):  # the exit vocabulary
+            if other.is_file() and other.name not in (ADAPTERS_FILE, CONFIG_FILE, RECORD):  # the exit vocabulary
                 shutil.copy(other, tmp / other.name)
+    record_hashes(spec.out)  # the new weights and the carried files, recorded together
     return record
