@@ -10,7 +10,7 @@ the next question, so drift on the shared machine hits every variant alike. Writ
 tokens, times and acceptance) and results.md (speedup over plain per category, tokens per step, and what a step
 costs in plain steps). The ablation that chose the engine's pieces ran on the engine before issue 39 (commit
 0e6c820, where this script also switched off the pieces since removed: staleness, shadow chains, probes, context
-buckets, floors, new-answer scaling).
+buckets, floors, new-answer scaling; shadow scoring came back in its present form for the session check).
 
 Each variant is the built engine with one piece replaced (the product has no switches for them):
 """
@@ -69,6 +69,11 @@ class GreedySelection(CostPlanner):
         return sorted(kept), tokens, seconds
 
 
+class NoShadow(CostPlanner):
+    def score_unverified(self, proposals, token):
+        pass
+
+
 PIECES = {
     "trees": "one candidate at the first position (tree width 1)",
     "cost-model": "every proposal of both drafters verified (the planner always)",
@@ -77,6 +82,7 @@ PIECES = {
     "best-prefix": "nodes join only while each one alone raises tokens per second",
     "signal": "acceptance by drafter and depth only (no n-gram length, no draft probability)",
     "optimism": "the fast stream priced at its mean rate",
+    "shadow": "plain stretches teach nothing: the proposals they did not verify are not scored",
 }
 __doc__ += "".join(f"\n- ``no-{p}``: {what}" for p, what in PIECES.items())
 
@@ -96,8 +102,9 @@ def make_variant(lm, name: str, settings: MethodSettings):
         planner.costs = StepCosts(None, draft_fraction=planner.costs.draft_fraction)
     elif piece == "aging":
         planner.costs.max_age = 10**9
-    elif piece in ("best-prefix", "signal", "optimism"):
-        planner.__class__ = {"best-prefix": GreedySelection, "signal": NoSignal, "optimism": NoOptimism}[piece]
+    elif piece in ("best-prefix", "signal", "optimism", "shadow"):
+        variants = {"best-prefix": GreedySelection, "signal": NoSignal, "optimism": NoOptimism, "shadow": NoShadow}
+        planner.__class__ = variants[piece]
     elif piece not in ("trees", "cost-model"):
         raise ValueError(f"unknown piece {piece!r}; choose from {', '.join(PIECES)}")
     return engine
