@@ -57,7 +57,7 @@ class MoEBenchConfig:
 
     model: str
     adapters: str  # M2R2 adapters for the model
-    prompts: Path  # held-out token ids (.npy): prompts are windows of it
+    prompts: Path | None = None  # held-out token ids (.npy), prompts are windows of it (None: default_prompts)
     methods: tuple[str, ...] = METHODS
     budgets: tuple[float, ...] = (100.0, 50.0, 25.0)  # percent of all experts
     experts: Path | None = None  # the expert store (None: m2r2's cache, exported on first use)
@@ -87,8 +87,14 @@ class MoEBenchConfig:
             raise M2R2Error(
                 "--num-prompts, --regime-prompts and --prompt-tokens must be at least 1, --max-tokens at least 2"
             )
-        if not self.prompts.is_file() and self.build is None:
-            raise M2R2Error(f"{self.prompts} not found; build the benchmark model with {COMMAND}, or pass --prompts")
+        if self.build is None and not self.prompt_file().is_file():
+            raise M2R2Error(
+                f"{self.prompt_file()} not found; build the benchmark model with {COMMAND}, or pass --prompts"
+            )
+
+    def prompt_file(self) -> Path:
+        """The held-out ids: as given, else the model folder's (which a build writes: read it after the build)."""
+        return self.prompts if self.prompts is not None else default_prompts(self.model)
 
     @property
     def link_ratio(self) -> float | None:
@@ -276,12 +282,13 @@ def run(config: MoEBenchConfig) -> dict:
     """Every method at every budget (and ratio of the regime map); the result moe_bench.json holds."""
     if config.build is not None and not is_built(config.build):
         build_model(config.build)
-    if not config.prompts.is_file():
-        raise M2R2Error(f"{config.prompts} not found; pass --prompts")
-    ids = np.load(config.prompts)
+    prompt_file = config.prompt_file()  # after the build, which writes the model folder's held-out ids
+    if not prompt_file.is_file():
+        raise M2R2Error(f"{prompt_file} not found; pass --prompts")
+    ids = np.load(prompt_file)
     span = config.prompt_tokens
     if ids.size < config.num_prompts * span * 4:
-        raise M2R2Error(f"{config.prompts} holds {ids.size} tokens, too few for {config.num_prompts} prompts of {span}")
+        raise M2R2Error(f"{prompt_file} holds {ids.size} tokens, too few for {config.num_prompts} prompts of {span}")
     stride = ids.size // config.num_prompts
     prompts = [ids[i * stride : i * stride + span] for i in range(config.num_prompts)]
     store, num_layers = open_store(config)
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         config = MoEBenchConfig(
             model=args.model,
             adapters=args.adapters or f"{str(args.model).rstrip('/')}-m2r2",
-            prompts=args.prompts or default_prompts(args.model),
+            prompts=args.prompts,
             methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
             budgets=budgets,
             experts=args.experts,

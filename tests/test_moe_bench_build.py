@@ -80,11 +80,12 @@ def test_an_interrupted_build_is_not_read_as_complete_and_resumes(tmp_path, monk
 
 @pytest.mark.slow
 def test_the_bench_builds_a_missing_model_first(tmp_path):
+    """As `m2r2-bench --moe` from an empty build folder: no --prompts, so the prompts are the held-out ids the
+    build writes, read once it has (a newcomer's first run used to stop there, after a 22-minute build)."""
     build = tiny(tmp_path)
     config = MoEBenchConfig(
         model=str(build.out),
         adapters=str(build.adapters),
-        prompts=build.out / "heldout.npy",
         methods=("resident", "lru", "pregating-planned", "m2r2-fused"),
         budgets=(50.0,),
         num_prompts=1,
