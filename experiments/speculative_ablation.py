@@ -69,6 +69,25 @@ class GreedySelection(CostPlanner):
         return sorted(kept), tokens, seconds
 
 
+class LookupFloor(CostPlanner):
+    """Lookup's first continuation verified as lookup alone verifies it (its first ``FLOOR`` tokens), whatever the
+    rates say; the rest (more of it, other candidates, the fast stream) as priced."""
+
+    FLOOR = 3
+
+    def select(self, tree):
+        keep, _, _ = super().select(tree)
+        node, floor = 0, []
+        while True:
+            node = next((c for c in tree.children(node) if "lookup" in tree.sources[c]), None)
+            if node is None or tree.depths[node] > self.FLOOR:
+                break
+            floor.append(node)
+        keep = sorted(set(keep) | set(floor))
+        pi = self.reach(tree)
+        return keep, 1.0 + sum(pi[n] for n in keep[1:]), self.costs.verify_cost(len(keep))
+
+
 class NoShadow(CostPlanner):
     def score_unverified(self, proposals, token):
         pass
@@ -84,10 +103,21 @@ PIECES = {
     "optimism": "the fast stream priced at its mean rate",
     "shadow": "plain stretches teach nothing: the proposals they did not verify are not scored",
 }
+VARIANTS = {
+    "lookup-floor": "lookup's first 3 tokens always verified, as lookup alone does; the rest as priced",
+    "lookup-priced": "the cost planner with prompt lookup alone (no fast stream)",
+}
 __doc__ += "".join(f"\n- ``no-{p}``: {what}" for p, what in PIECES.items())
 
 
 def make_variant(lm, name: str, settings: MethodSettings):
+    if name in VARIANTS:
+        engine = make_decoder(lm, DecodeConfig("speculative", gate=settings.gate), settings.adapters)
+        if name == "lookup-floor":
+            engine.planner.__class__ = LookupFloor
+        else:
+            engine.model_drafter, engine.planner.model_kind = None, None
+        return engine
     if not name.startswith("no-"):
         return make_method(lm, name, settings)
     piece = name[3:]
