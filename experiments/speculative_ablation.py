@@ -69,25 +69,6 @@ class GreedySelection(CostPlanner):
         return sorted(kept), tokens, seconds
 
 
-class LookupFloor(CostPlanner):
-    """Lookup's first continuation verified as lookup alone verifies it (its first ``FLOOR`` tokens), whatever the
-    rates say; the rest (more of it, other candidates, the fast stream) as priced."""
-
-    FLOOR = 3
-
-    def select(self, tree):
-        keep, _, _ = super().select(tree)
-        node, floor = 0, []
-        while True:
-            node = next((c for c in tree.children(node) if "lookup" in tree.sources[c]), None)
-            if node is None or tree.depths[node] > self.FLOOR:
-                break
-            floor.append(node)
-        keep = sorted(set(keep) | set(floor))
-        pi = self.reach(tree)
-        return keep, 1.0 + sum(pi[n] for n in keep[1:]), self.costs.verify_cost(len(keep))
-
-
 class NoShadow(CostPlanner):
     def score_unverified(self, proposals, token):
         pass
@@ -102,21 +83,16 @@ PIECES = {
     "signal": "acceptance by drafter and depth only (no n-gram length, no draft probability)",
     "optimism": "the fast stream priced at its mean rate",
     "shadow": "plain stretches teach nothing: the proposals they did not verify are not scored",
+    "floor": "lookup's first continuation priced like every other node (before issue 39's held-out run)",
 }
-VARIANTS = {
-    "lookup-floor": "lookup's first 3 tokens always verified, as lookup alone does; the rest as priced",
-    "lookup-priced": "the cost planner with prompt lookup alone (no fast stream)",
-}
+VARIANTS = {"lookup-priced": "the cost planner with prompt lookup alone (no fast stream)"}
 __doc__ += "".join(f"\n- ``no-{p}``: {what}" for p, what in PIECES.items())
 
 
 def make_variant(lm, name: str, settings: MethodSettings):
     if name in VARIANTS:
         engine = make_decoder(lm, DecodeConfig("speculative", gate=settings.gate), settings.adapters)
-        if name == "lookup-floor":
-            engine.planner.__class__ = LookupFloor
-        else:
-            engine.model_drafter, engine.planner.model_kind = None, None
+        engine.model_drafter, engine.planner.model_kind = None, None
         return engine
     if not name.startswith("no-"):
         return make_method(lm, name, settings)
@@ -130,6 +106,8 @@ def make_variant(lm, name: str, settings: MethodSettings):
     planner = engine.planner
     if piece == "calibration":
         planner.costs = StepCosts(None, draft_fraction=planner.costs.draft_fraction)
+    elif piece == "floor":
+        planner.lookup_floor = 0
     elif piece == "aging":
         planner.costs.max_age = 10**9
     elif piece in ("best-prefix", "signal", "optimism", "shadow"):

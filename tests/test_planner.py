@@ -106,6 +106,19 @@ def test_the_cost_planner_verifies_only_what_pays():
     assert cheap.draft is not None and cheap.draft.after == 3 and cheap.draft.limit == 5  # after lookup's end
 
 
+def test_lookups_first_tokens_are_verified_as_lookup_alone_verifies_them():
+    """The floor: where the costs say no position pays, lookup's first continuation is still verified as far as
+    the lookup mode goes (and no further), so the engine never verifies less of it than lookup alone."""
+    planner = cost_planner(0.050, 0.400, 0.3)
+    assert planner.plan(lookup_chain(), request()).plain
+    planner.lookup_floor = 2
+    plan = planner.plan(lookup_chain(), request())
+    assert list(plan.keep) == [0, 1, 2] and plan.draft is None
+    tree = lookup_chain()
+    tree.add(0, 9, "fast")  # another candidate at the first position is not lookup's: priced as before
+    assert list(planner.plan(tree, request()).keep) == [0, 1, 2]
+
+
 def test_a_chain_that_pays_as_a_whole_is_verified_whole():
     """Best-prefix selection: where the first extra position costs much more than the next ones (this CPU's
     curve), a first proposal that alone would not pay, followed by ones that are sure once it is accepted (a

@@ -14,6 +14,10 @@ second is verified: a copied span whose first token alone would not pay can pay 
 only where the nodes it is expected to add pay for its draft steps. The root alone is plain decoding, so a step
 drafts only where that is expected to beat it.
 
+Prompt lookup's first continuation is verified as far as lookup alone verifies one (the floor) whatever its rate:
+on prompts the planner was not tuned on, pricing those tokens cost 7% against lookup alone, while the rates'
+choices beyond them (longer spans, more candidates, the fast stream) pay (docs/speculative.md, "Ablation").
+
 Rates are decaying Beta posteriors (estimates.Rates): they follow the text. Lookup's proposals are priced at their
 mean rates (they are free and many; optimism compounded along a chain would verify far more than pays); the fast
 stream's optimistically (mean plus one standard deviation): its runs are gated by its estimate, so while that
@@ -56,13 +60,14 @@ def signal_bucket(kind: str, signal: float) -> int:
 
 class CostPlanner:
     """Verifies what is expected to beat a plain step (the module docstring has the arithmetic). ``max_nodes``:
-    the most nodes a step verifies."""
+    the most nodes a step verifies; ``lookup_floor``: the first tokens of lookup's first continuation are
+    verified whatever the rates say, as prompt lookup alone verifies them."""
 
-    def __init__(self, drafters: list[Drafter], max_nodes: int, costs: StepCosts):
+    def __init__(self, drafters: list[Drafter], max_nodes: int, costs: StepCosts, lookup_floor: int = 0):
         self.priors = {d.kind: d.prior for d in drafters}
         model = next((d for d in drafters if not d.free), None)
         self.model_kind = None if model is None else model.kind  # the model drafter's: "fast" or "layerskip"
-        self.max_nodes, self.costs = max_nodes, costs
+        self.max_nodes, self.costs, self.lookup_floor = max_nodes, costs, lookup_floor
         self.rates = Rates(strength=2.0, decay=0.995)
         self.unverified: tuple[DraftTree, int] | None = None  # a stretch's proposals, and the node its tokens reached
 
@@ -88,8 +93,19 @@ class CostPlanner:
             pi.append(pi[tree.parents[node]] * rate)
         return pi
 
+    def floor(self, tree: DraftTree) -> list[int]:
+        """Lookup's first continuation, as far as prompt lookup alone verifies one (``lookup_floor`` tokens)."""
+        node, nodes = 0, []
+        while len(nodes) < self.lookup_floor:
+            node = next((c for c in tree.children(node) if "lookup" in tree.sources[c]), None)
+            if node is None:
+                break
+            nodes.append(node)
+        return nodes
+
     def select(self, tree: DraftTree) -> tuple[list[int], float, float]:
-        """The nodes worth verifying (root first), the tokens they are expected to yield, and their seconds."""
+        """The nodes worth verifying (root first), the tokens they are expected to yield, and their seconds: the
+        best prefix of the nodes in order of pi, and the floor."""
         pi = self.reach(tree)
         order = sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i]))[: self.max_nodes]
         tokens, seconds = 1.0, self.costs.verify_cost(1)
@@ -98,7 +114,11 @@ class CostPlanner:
             tokens, seconds = tokens + pi[node], seconds + self.costs.extra(n)
             if tokens / seconds > best_tokens / best_seconds:
                 best, best_tokens, best_seconds = n, tokens, seconds
-        return sorted([0, *order[:best]]), best_tokens, best_seconds
+        floor = [n for n in self.floor(tree) if n not in order[:best]]
+        if not floor:
+            return sorted([0, *order[:best]]), best_tokens, best_seconds
+        keep = sorted([0, *order[:best], *floor])
+        return keep, best_tokens + sum(pi[n] for n in floor), self.costs.verify_cost(len(keep))
 
     def drafting_pays(self, tree: DraftTree, anchor: int, n: int, tokens: float, seconds: float, limit: int) -> bool:
         """Whether the fast stream drafting after ``anchor`` raises the expected tokens per second of a step that
