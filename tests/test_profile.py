@@ -72,6 +72,7 @@ def assert_steps_covered(shares: list[float]) -> None:
 
 
 def test_bandwidth_probe_is_positive_and_steady():
+    stream_bandwidth(mb=128, passes=5)  # the first call pays for first-touch pages and a cold cache
     runs = [stream_bandwidth(mb=128, passes=5) for _ in range(3)]
     assert min(runs) > 0
     assert max(runs) / min(runs) <= 1.2, runs
