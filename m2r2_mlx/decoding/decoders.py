@@ -138,8 +138,7 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
         model = next((d for d in drafters if not d.free), None)
         fraction = model.exit_layer / lm.num_layers if model else 0.0  # a draft step's cost before one is timed
         costs = StepCosts(measure_calibration(lm.model), draft_fraction=fraction)  # a first answer pays nothing for it
-        # lookup's first tokens as far as the lookup mode verifies them
-        floor = DRAFT_DEFAULTS["always"].max_draft if any(d.kind == "lookup" for d in drafters) else 0
+        floor = DRAFT_DEFAULTS["always"].max_draft  # lookup's first tokens, as far as the lookup mode verifies them
         chosen = CostPlanner(drafters, max_draft * width, costs, lookup_floor=floor)
     else:
         chosen = VerifyAll(drafters)
