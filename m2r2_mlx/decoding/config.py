@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from ..errors import M2R2Error
 from .sampling import Sampling
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -23,18 +25,28 @@ class GenerationConfig:
     sampling: Sampling = field(default_factory=Sampling)
     seed: int | None = None  # None: MLX's random state as it is
     stop: tuple[str, ...] = ()  # the answer ends before the first of these strings (applied by the caller's reader)
+    grammar: str | None = None  # the answer follows this grammar (grammar.json_schema_grammar); None: free text
+    logprobs: int | None = None  # each event carries its token's log-probability and this many top tokens'
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise M2R2Error(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise M2R2Error(f"top log-probabilities must be 0 to {MAX_TOP_LOGPROBS} tokens (got {self.logprobs})")
 
     @classmethod
     def create(
-        cls, max_tokens: int = 256, seed: int | None = None, stop: tuple[str, ...] = (), **sampling
+        cls,
+        max_tokens: int = 256,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        grammar: str | None = None,
+        logprobs: int | None = None,
+        **sampling,
     ) -> "GenerationConfig":
         """From flat keywords, as mlx-lm's calls take them: ``sampling`` holds Sampling's fields
         (temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)."""
-        return cls(max_tokens, Sampling(**sampling), seed, tuple(stop))
+        return cls(max_tokens, Sampling(**sampling), seed, tuple(stop), grammar, logprobs)
 
 
 PLANNERS = ("cost", "always")  # speculative: planner.CostPlanner, planner.VerifyAll

@@ -17,7 +17,7 @@ from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_ad
 from ..errors import M2R2Error
 from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, MAX_WIDTH, PLANNERS, DecodeConfig
 from .costs import StepCosts, measure_calibration
-from .drafters import LayerDrafter, PromptLookupDrafter
+from .drafters import ForcedDrafter, LayerDrafter, PromptLookupDrafter
 from .early_exit import EarlyExitDecoder, ExitPolicy, confidence
 from .generate import PlainDecoder
 from .planner import CostPlanner, VerifyAll
@@ -129,7 +129,7 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
         raise M2R2Error(f"tree width must be in 1..{MAX_WIDTH} (got {width})")
     # without adapters, speculative mode's best drafter here (prompt lookup, under the planner) still runs
     lookup_only = mode == "speculative" and config.drafter == "hybrid" and not (adapters or packaged_adapters(lm.name))
-    drafters: list[Drafter] = []
+    drafters: list[Drafter] = [ForcedDrafter()]  # proposes only under a grammar (structured output)
     if mode == "lookup" or (mode == "speculative" and config.drafter == "hybrid"):
         drafters.append(PromptLookupDrafter())
     if mode != "lookup" and not lookup_only:

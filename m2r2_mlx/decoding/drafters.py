@@ -6,6 +6,7 @@ last emitted token (not yet in the cache), and leaves the cache as it found it.
   layers up to its gate) and may add the first step's next most likely tokens beside the chain's first token.
   Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting). ``go_on`` (the engine's cost model)
   or a confidence ``threshold`` ends the chain.
+- ``ForcedDrafter``: the continuation an answer's grammar forces (structured output).
 - ``PromptLookupDrafter``: copy the continuations of earlier occurrences of the sequence's last n-gram (prompt
   lookup decoding; no model compute), the longest n-grams and latest occurrences first.
 """
@@ -136,12 +137,31 @@ class PromptLookupDrafter:
         return found
 
     def propose(self, tree: DraftTree, request: DraftRequest) -> int:
-        """Add the continuations of ``request.context`` (which ends with the root) after the root."""
-        for cont, n in self.continuations(request.context, request.limit, request.width):
+        """Add the continuations of ``request.context`` (which ends with node ``request.after``) after it."""
+        limit = request.limit - tree.depths[request.after]
+        for cont, n in self.continuations(request.context, limit, request.width):
             for k, t in enumerate(cont):  # a copied end-of-sequence is drafted, and nothing after it
                 if t in request.eos_ids:
                     cont = cont[: k + 1]
                     break
-            for node in tree.add_chain(0, cont, self.kind):
+            for node in tree.add_chain(request.after, cont, self.kind):
                 tree.signal.setdefault((self.kind, node), float(n))
+        return 0
+
+
+class ForcedDrafter:
+    """The text an answer's grammar forces next (grammar.Constraint.forced): keys, separators, closing quotes.
+    It proposes first, and the others after its chain; the engine verifies its proposals whatever the planner
+    says (they cost one position each and are rarely wrong: only where the model splits the text otherwise)."""
+
+    exit_layer = 0
+    free = True
+    keeps_states = False
+    kind = name = "grammar"
+    prior = 0.9
+
+    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
+        if request.constraint is not None:
+            limit = request.limit - tree.depths[request.after]
+            tree.add_chain(request.after, request.constraint.at(request.context).forced(limit), self.kind)
         return 0

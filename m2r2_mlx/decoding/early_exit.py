@@ -35,7 +35,6 @@ from .config import GenerationConfig
 from .events import TokenEvent
 from .generate import start_decoding
 from .prompt_cache import PromptCache
-from .sampling import next_token
 
 
 def gate_thresholds(
@@ -201,15 +200,15 @@ def early_exit_generate(
     and its ``layer_passes`` and ``token_layers`` the compute spent since the previous event (the answer's last
     event includes filling the keys and values its exited tokens still lacked)."""
     generation, policy = generation or GenerationConfig(), policy or ExitPolicy()
-    cache, logits, events = start_decoding(
+    cache, logits, events, sample = start_decoding(
         m2r2.base, tokenizer, prompt, cache, generation, context_length, keep_states=m2r2.config.context_feature
     )
     walker = EarlyExit(m2r2, cache, policy)
     exit_layer, passes, token_layers = walker.L, 0, 0
     try:
         while True:
-            y = next_token(logits, generation.sampling, cache)
-            ev = events.event(y, exit_layer=exit_layer)
+            y = int(sample(logits).item())  # the exit layer's logits, under the grammar where there is one
+            ev = events.event(y, exit_layer=exit_layer, logprobs=sample.logprobs)
             if ev.finish_reason:
                 walker.flush()  # the cache becomes the full model's before the answer ends
             ev.layer_passes, ev.token_layers = walker.layer_passes - passes, walker.token_layers - token_layers
@@ -217,6 +216,7 @@ def early_exit_generate(
             yield ev
             if ev.finish_reason:
                 return
+            sample.feed(mx.array([y]))
             logits, exit_layer = walker.step(y, events.n)
     finally:  # also on cancel: leave the cache as the full model's
         walker.flush()

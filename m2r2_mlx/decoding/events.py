@@ -33,6 +33,11 @@ class TokenEvent:
     # and token-layers (the arithmetic, deferred fills included)
     layer_passes: int = 0
     token_layers: int = 0
+    # with GenerationConfig.logprobs: the token's log-probability under the distribution it was picked from (the
+    # full model's in lossless modes, the exit layer's in early exit; after the grammar's mask and a repetition
+    # penalty, before temperature and top-p), and the most likely tokens' (token, log-probability), best first
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 def check_context(prompt_len: int, context_length: int) -> None:
@@ -43,13 +48,35 @@ def check_context(prompt_len: int, context_length: int) -> None:
         )
 
 
+def read_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``token``'s log-probability in ``logprobs`` and the ``top`` most likely tokens' (those the grammar
+    forbids, at -inf, left out)."""
+    row = logprobs.reshape(-1).astype(mx.float32)
+    if top <= 0:
+        return row[token].item(), ()
+    best = mx.argpartition(-row, top - 1)[:top]
+    values = row[best]
+    pairs = sorted(zip(best.tolist(), values.tolist()), key=lambda p: -p[1])
+    return row[token].item(), tuple((t, v) for t, v in pairs if v > -float("inf"))
+
+
 class EventStream:
     """Turns decoded token ids into TokenEvents: text pieces, timings, finish reasons.
 
     Shared by every decoding strategy so that their events and statistics agree.
     """
 
-    def __init__(self, tokenizer, num_layers: int, prompt_len: int, prefill_len: int, max_tokens: int, tic: float):
+    def __init__(
+        self,
+        tokenizer,
+        num_layers: int,
+        prompt_len: int,
+        prefill_len: int,
+        max_tokens: int,
+        tic: float,
+        logprobs: int | None = None,
+    ):
+        self.logprobs = logprobs  # None: no log-probabilities; else how many top tokens each event lists
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.eos_ids = set(tokenizer.eos_token_ids)
@@ -69,7 +96,9 @@ class EventStream:
         drafted: bool = False,
         source: str | None = None,
         plan: str = "",
+        logprobs: mx.array | None = None,
     ) -> TokenEvent:
+        """``logprobs``: the log-probabilities the token was picked from (read when the stream reports them)."""
         now = time.perf_counter()
         if self.n == 0:
             self.prompt_time, self.first, self.last = now - self.tic, now, now
@@ -97,6 +126,8 @@ class EventStream:
             source=source,
             plan=plan,
         )
+        if self.logprobs is not None and logprobs is not None:
+            ev.logprob, ev.top_logprobs = read_logprobs(logprobs, token, self.logprobs)
         self.n += 1
         self.last = now
         return ev

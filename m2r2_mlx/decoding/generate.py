@@ -15,6 +15,7 @@ import mlx.core as mx
 from .compiled import CompiledSteps
 from .config import GenerationConfig
 from .events import EventStream, TokenEvent, check_context
+from .grammar import Constraint
 from .prompt_cache import PromptCache, prefill
 from .sampling import NextToken
 
@@ -22,7 +23,8 @@ from .sampling import NextToken
 def start_decoding(
     model, tokenizer, prompt, cache, generation: GenerationConfig, context_length: int | None, keep_states: bool = False
 ):
-    """Shared set-up: the seed, context check, cache reuse and prefill. Returns (cache, logits, events).
+    """Shared set-up: the seed, context check, cache reuse and prefill. Returns (cache, logits, events, sample):
+    the prompt's last logits, and the answer's NextToken (its sampling law, history and grammar).
     ``keep_states``: the cache keeps each forward's final residual states (PromptCache.states)."""
     if generation.seed is not None:
         mx.random.seed(generation.seed)
@@ -36,8 +38,11 @@ def start_decoding(
     tic = time.perf_counter()
     feed = cache.tokens_to_prefill(prompt)
     logits = prefill(cache, feed)
-    events = EventStream(tokenizer, len(model.layers), len(prompt), len(feed), max_tokens, tic)
-    return cache, logits, events
+    constraint = None
+    if generation.grammar is not None:
+        constraint = Constraint(generation.grammar, tokenizer, logits.shape[-1], start=len(prompt))
+    events = EventStream(tokenizer, len(model.layers), len(prompt), len(feed), max_tokens, tic, generation.logprobs)
+    return cache, logits, events, NextToken(generation.sampling, cache.tokens, constraint)
 
 
 def generate(
@@ -53,35 +58,37 @@ def generate(
     """Decode greedily or by sampling, as mlx-lm does (its sampler and logits processors); one event per token.
     ``compiled``: through CompiledSteps where the cache allows."""
     generation = generation or GenerationConfig()
-    cache, logits, events = start_decoding(model, tokenizer, prompt, cache, generation, context_length)
-    sample = NextToken(generation.sampling, cache.tokens)
-
+    cache, logits, events, sample = start_decoding(model, tokenizer, prompt, cache, generation, context_length)
     y = sample(logits)
-    mx.async_eval(y)
+    logprobs = sample.logprobs if events.logprobs is not None else None
+    mx.async_eval(y, logprobs)
     steps = CompiledSteps.of(model) if compiled and CompiledSteps.supports(cache) else None
     if steps is not None:
         keys, values = steps.begin(cache, events.max_tokens)
         offset, fed = mx.array(len(cache), dtype=mx.int32), []
     try:
         while True:
-            next_y = None
+            next_y = next_logprobs = None
             if events.n + 1 < events.max_tokens:
-                sample.feed(y[None])
                 if steps is None:
                     logits = cache.forward(y[None])[-1]  # builds the next step before reading y
                 else:
                     logits, keys, values = steps(y[None], offset, keys, values)
                     offset = offset + 1
                     fed.append(y)
+                if sample.constraint is not None:  # the forward runs while the grammar reads y
+                    mx.async_eval(logits)
+                sample.feed(y[None])
                 next_y = sample(logits)
-                mx.async_eval(next_y)
-            ev = events.event(y.item())
+                next_logprobs = sample.logprobs if logprobs is not None else None
+                mx.async_eval(next_y, next_logprobs)
+            ev = events.event(y.item(), logprobs=logprobs)
             yield ev
             if ev.finish_reason:
                 return
             if events.n % 256 == 0:
                 mx.clear_cache()
-            y = next_y
+            y, logprobs = next_y, next_logprobs
     finally:  # also when the caller stops early: the cache holds every token fed
         if steps is not None:
             steps.end(cache, keys, values, fed)

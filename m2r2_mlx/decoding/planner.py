@@ -94,8 +94,11 @@ class CostPlanner:
         return pi
 
     def floor(self, tree: DraftTree) -> list[int]:
-        """Lookup's first continuation, as far as prompt lookup alone verifies one (``lookup_floor`` tokens)."""
+        """Lookup's first continuation (after the grammar's forced text), as far as prompt lookup alone verifies one
+        (``lookup_floor`` tokens)."""
         node, nodes = 0, []
+        while (forced := next((c for c in tree.children(node) if "grammar" in tree.sources[c]), None)) is not None:
+            node = forced
         while len(nodes) < self.lookup_floor:
             node = next((c for c in tree.children(node) if "lookup" in tree.sources[c]), None)
             if node is None:

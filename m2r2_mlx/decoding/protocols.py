@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtim
 if TYPE_CHECKING:
     from .config import GenerationConfig
     from .events import TokenEvent
+    from .grammar import Constraint
     from .prompt_cache import PromptCache
     from .sampling import Sampling
     from .tree import DraftTree
@@ -43,14 +44,15 @@ class DraftRequest:
     width: int = 1  # candidates at the first draft position
     # after drafting a node, whether to draft another: go_on(tree, node) (None: the drafter's own threshold)
     go_on: Callable[[DraftTree, int], bool] | None = None
-    after: int = 0  # draft after this node of the tree (default the root)
+    after: int = 0  # draft after this node of the tree (default the root); ``context`` ends with its token
+    constraint: Constraint | None = None  # the answer's grammar (structured output)
 
 
 @runtime_checkable
 class Drafter(Protocol):
     """Adds proposals to a draft tree after ``request.after`` and leaves the cache as it found it."""
 
-    kind: str  # "lookup", "fast" (the M2R2 fast stream) or "layerskip": acceptance is learnt per kind
+    kind: str  # "lookup", "grammar", "fast" (the M2R2 fast stream) or "layerskip": acceptance is learnt per kind
     name: str  # for logs and the chat ("lookup", "fast@L6")
     free: bool  # proposing costs no model compute (prompt lookup): it proposes every step, before the plan
     exit_layer: int  # layers a drafted token used (0: none)

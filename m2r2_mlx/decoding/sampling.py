@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..errors import M2R2Error
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -69,24 +72,34 @@ class Sampling:
 
 
 class NextToken:
-    """Plain decoding's next token, lazily (nothing is evaluated): mlx-lm's logits processors over the sequence so far
-    (only its last ``repetition_context_size`` tokens, all they read), then mlx-lm's sampler."""
+    """Plain decoding's next token, lazily (nothing is evaluated): the grammar's mask (``constraint``), mlx-lm's
+    logits processors over the sequence so far (only its last ``repetition_context_size`` tokens, all they read),
+    then mlx-lm's sampler. ``logprobs`` holds the last call's log-probabilities (what was sampled from, before the
+    sampler's temperature and filters)."""
 
-    def __init__(self, s: Sampling, history: Sequence[int]):
+    def __init__(self, s: Sampling, history: Sequence[int], constraint: Constraint | None = None):
         self.sampler, self.processors, self.size = s.sampler(), s.processors(), s.repetition_context_size
         self.history = mx.array(list(history)[-self.size :], mx.int32) if self.processors else None
+        self.constraint = constraint
+        self.sequence = list(history) if constraint is not None else None  # what the grammar reads
+        self.logprobs: mx.array | None = None
 
     def feed(self, token: mx.array) -> None:
-        """``token`` (shape (1,), possibly not yet evaluated) joins the sequence."""
+        """``token`` (shape (1,)) joins the sequence; with a grammar it is read (the next mask depends on it)."""
         if self.processors:
             self.history = mx.concatenate([self.history, token.astype(mx.int32)])[-self.size :]
+        if self.sequence is not None:
+            self.sequence.append(int(token.item()))
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The token after the sequence, from its logits (V,)."""
+        if self.constraint is not None:
+            logits = self.constraint.at(self.sequence).mask(logits)
         logits = logits[None]
         for process in self.processors:
             logits = process(self.history, logits)
-        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+        self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sampler(self.logprobs)[0]
 
 
 def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:
@@ -122,13 +135,3 @@ def sampling_probs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.ar
 
 def sample_from(probs: mx.array) -> int:
     return int(mx.random.categorical(mx.log(probs)).item())
-
-
-def next_token(logits: mx.array, s: Sampling, sequence) -> int:
-    """The token plain decoding picks from ``logits`` (V,), read back: the argmax of the processed logits when
-    greedy, else a draw from the sampler's distribution. ``sequence`` (anything with ``tokens``, e.g. the prompt
-    cache) is read only by a repetition penalty."""
-    history = sequence.tokens if s.reads_history else ()
-    if s.greedy:
-        return int(mx.argmax(processed_logprobs(logits, s, history)).item())
-    return sample_from(sampling_probs(logits, s, history))

@@ -22,9 +22,11 @@ from .events import EventStream, TokenEvent
 from .generate import start_decoding
 from .planner import VerifyAll
 from .prompt_cache import PromptCache
-from .protocols import Drafter, DraftRequest, Outcome, Planner
-from .sampling import NextToken, Sampling, next_token
+from .protocols import Drafter, DraftRequest, Outcome, Planner, StepPlan
+from .sampling import NextToken, Sampling
 from .tree import DraftTree, describe, supports_trees, verify_tree
+
+FREE_KINDS = ("grammar", "lookup")  # drafters whose tokens used no layer, in the order an event names them
 
 
 class Speculator:
@@ -51,7 +53,8 @@ class Speculator:
                 f"{type(model).__module__} cannot verify draft trees (no rope on its attention); use tree width 1"
             )
         self.model, self.tokenizer, self.planner = model, tokenizer, planner
-        self.free = [d for d in drafters if d.free]
+        self.grammar = next((d for d in drafters if d.kind == "grammar"), None)  # proposes first
+        self.free = [d for d in drafters if d.free and d is not self.grammar]
         self.model_drafter = next((d for d in drafters if not d.free), None)
         self.max_draft, self.width, self.name, self.context_length = max_draft, width, name, context_length
         self.exit_layers = sorted({d.exit_layer for d in drafters} | {len(layers)})  # for legends
@@ -66,20 +69,19 @@ class Speculator:
         generation = generation or GenerationConfig()
         s, drafter = generation.sampling, self.model_drafter
         keep_states = drafter is not None and drafter.keeps_states
-        cache, logits, events = start_decoding(
+        cache, logits, events, sample = start_decoding(
             self.model, self.tokenizer, list(prompt), cache, generation, self.context_length, keep_states
         )
-        ev = events.event(next_token(logits, s, cache))
+        constraint, rows = sample.constraint, events.logprobs is not None
+        ev = events.event(int(sample(logits).item()), logprobs=sample.logprobs)
         yield ev
         while not ev.finish_reason:
             y, tic = ev.token, time.perf_counter()
-            request = self._request(cache, cache.tokens + [y], events, s)
-            tree = DraftTree.root(y)
-            for free in self.free:  # 1. propose
-                free.propose(tree, request)
-            plan = self.planner.plan(tree, request)  # 2. plan
+            request = self._request(cache, cache.tokens + [y], events, s, constraint)
+            tree = self._propose(request)  # 1. propose
+            plan = self._plan(tree, request)  # 2. plan
             if plan.plain:
-                for ev in self._plain_stretch(cache, tree, events, s):  # its last event is the next step's y
+                for ev in self._plain_stretch(cache, tree, events, s, constraint):  # its last event: the next y
                     yield ev
                 continue
             tree, draft_seconds, draft_steps = tree.keep(plan.keep), 0.0, 0
@@ -88,29 +90,57 @@ class Speculator:
                 draft_steps = drafter.propose(tree, plan.draft)
                 draft_seconds = time.perf_counter() - t0
                 if s.greedy:  # exact for any tree: drop what the drafts did not make worth verifying
-                    tree = tree.keep(self.planner.plan(tree, replace(request, limit=0)).keep)
+                    tree = tree.keep(self._plan(tree, replace(request, limit=0)).keep)
             history = cache.tokens if s.reads_history else ()  # 4. verify and commit
-            path, token = verify_tree(cache.forward_tree(tree), tree, s, history)
+            if constraint is not None:  # just after the root
+                constraint.at(cache.tokens + [y])
+            verified = verify_tree(cache.forward_tree(tree), tree, s, history, constraint, rows)
+            path, token = verified.path, verified.token
             cache.commit(path, len(tree))
             seconds = time.perf_counter() - tic  # 5. observe
             self.planner.observe(Outcome(tree, path, token, seconds, draft_seconds, draft_steps))
             status = describe(tree)
-            for node in path[1:]:  # 6. emit
-                source = "lookup" if "lookup" in tree.sources[node] else drafter.kind
-                layer = 0 if source == "lookup" else drafter.exit_layer
-                ev = events.event(tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=status)
+            for i, node in enumerate(path[1:]):  # 6. emit
+                source = next(k for k in (*FREE_KINDS, drafter and drafter.kind) if k in tree.sources[node])
+                layer = 0 if source in FREE_KINDS else drafter.exit_layer
+                lp = verified.logprobs[i] if rows else None
+                ev = events.event(
+                    tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=status, logprobs=lp
+                )
                 yield ev
                 if ev.finish_reason:
                     return
-            ev = events.event(token, plan=status)
+            ev = events.event(token, plan=status, logprobs=verified.logprobs[-1] if rows else None)
             yield ev
 
-    def _request(self, cache: PromptCache, context: list[int], events: EventStream, s: Sampling) -> DraftRequest:
+    def _request(
+        self, cache: PromptCache, context: list[int], events: EventStream, s: Sampling, constraint
+    ) -> DraftRequest:
         limit = min(events.max_tokens - events.n - 1, self.max_draft)
-        return DraftRequest(cache, context, limit, s, events.eos_ids, self.width)
+        return DraftRequest(cache, context, limit, s, events.eos_ids, self.width, constraint=constraint)
+
+    def _propose(self, request: DraftRequest) -> DraftTree:
+        """The free drafters' proposals after the root: the grammar's forced text first, the others after it."""
+        tree = DraftTree.root(request.context[-1])
+        if self.grammar is not None and request.constraint is not None:
+            self.grammar.propose(tree, request)
+            if len(tree) > 1:
+                request.context = request.context + tree.tokens[1:]
+                request.after = len(tree) - 1
+        for free in self.free:
+            free.propose(tree, request)
+        return tree
+
+    def _plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
+        """The planner's plan, with the grammar's forced text always verified."""
+        plan = self.planner.plan(tree, request)
+        forced = [n for n in range(1, len(tree)) if "grammar" in tree.sources[n]]
+        if not forced:
+            return plan
+        return replace(plan, keep=sorted({*plan.keep, *forced}))
 
     def _plain_stretch(
-        self, cache: PromptCache, proposals: DraftTree, events: EventStream, s: Sampling
+        self, cache: PromptCache, proposals: DraftTree, events: EventStream, s: Sampling, constraint
     ) -> Iterator[TokenEvent]:
         """Plain decoding after ``proposals``' root, each step queued before the previous token is read (as generate
         does; a draft-and-verify step cannot), while the planner expects no draft to pay. After each token the
@@ -120,35 +150,35 @@ class Speculator:
         """
         y = proposals.tokens[0]
         context = cache.tokens + [y]  # ints: reading the cache's would wait for the step in flight
-        sample = NextToken(s, context[:-1])  # as generate draws it
+        sample = NextToken(s, context[:-1], constraint)  # as generate draws it
+        rows = events.logprobs is not None
 
-        def step(token: mx.array) -> mx.array:  # feed ``token`` (shape (1,)); the next one, queued, not read
+        def step(token: mx.array) -> tuple[mx.array, mx.array | None]:  # feed ``token`` (shape (1,)); the next one
+            logits = cache.forward(token)[-1]
             sample.feed(token)
-            token = sample(cache.forward(token)[-1])
-            mx.async_eval(token)
-            return token
+            token = sample(logits)
+            mx.async_eval(token, sample.logprobs if rows else None)
+            return token, sample.logprobs if rows else None
 
-        y, tic, leave = step(mx.array([y])), None, False
+        (y, lp), tic, leave = step(mx.array([y])), None, False
         while True:
             next_y = None if leave or events.n + 1 >= events.max_tokens else step(y[None])
             context.append(int(y.item()))
             toc = time.perf_counter()
             seconds = None if tic is None else toc - tic  # (the first waited for its own forward: not pipelined)
             self.planner.observe(Outcome(proposals, [0], context[-1], seconds, plain=True))
-            ev = events.event(context[-1], plan="plain")
+            ev = events.event(context[-1], plan="plain", logprobs=lp)
             yield ev
             tic = time.perf_counter()  # the caller's time with the token is not the step's
             if ev.finish_reason or leave:
                 return
-            request = self._request(cache, context, events, s)
-            proposals = DraftTree.root(context[-1])
-            for free in self.free:
-                free.propose(proposals, request)
+            request = self._request(cache, context, events, s, constraint)
+            proposals = self._propose(request)
             # one more token comes before the draft step: leave only where that step may still draft
-            leave = events.max_tokens - events.n > 2 and not self.planner.plan(proposals, request).plain
+            leave = events.max_tokens - events.n > 2 and not self._plan(proposals, request).plain
             if events.n % 256 == 0:
                 mx.clear_cache()
-            y = next_y
+            y, lp = next_y
 
 
 def speculative_generate(

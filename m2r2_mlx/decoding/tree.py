@@ -18,12 +18,15 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .sampling import Sampling, processed_logprobs, sample_from, sampling_probs
+if TYPE_CHECKING:
+    from .grammar import Constraint
+
+from .sampling import Sampling, filtered_probs, processed_logprobs, sample_from, sampling_probs
 
 
 @dataclass
@@ -158,30 +161,53 @@ def keep_positions(layer_cache, start: int, kept: Sequence[int], total: int) -> 
     layer_cache.trim(total - len(kept))
 
 
-def verify_tree(logits: mx.array, tree: DraftTree, s: Sampling, history: Sequence[int] = ()) -> tuple[list[int], int]:
-    """The accepted path of ``tree`` (node indices from the root) and the token the full model emits after it.
+@dataclass
+class Verified:
+    """What verification accepted: the path (node indices from the root), the full model's token after it, and
+    with ``logprobs`` asked, each emitted token's target log-probabilities (the path's drafts, then the token)."""
 
-    ``logits`` (N, vocab) are the full model's at every node; ``history`` the sequence before the root. Greedy: go
-    to the child equal to the argmax, while there is one. Sampling (SpecInfer's multi-candidate rule, lossless when
-    each sampled proposal is drawn independently from its q): at a node with target p, try the proposals in order;
-    accept child c proposed with q with probability min(1, p(c) / q(c)) (q one-hot for a deterministic proposal:
-    probability p(c)); on rejection p becomes norm(max(p - q, 0)); if every proposal is rejected, or there is none,
-    emit a sample of p.
+    path: list[int]
+    token: int
+    logprobs: list[mx.array] | None = None
+
+
+def verify_tree(
+    logits: mx.array,
+    tree: DraftTree,
+    s: Sampling,
+    history: Sequence[int] = (),
+    constraint: Constraint | None = None,
+    logprobs: bool = False,
+) -> Verified:
+    """The accepted path of ``tree`` and the token the full model emits after it.
+
+    ``logits`` (N, vocab) are the full model's at every node; ``history`` the sequence before the root (read by a
+    repetition penalty); ``constraint`` the answer's grammar, just after the root: each node's target is masked by
+    it (a draft it forbids is never accepted), and it follows the accepted path. Greedy: go to the child equal to
+    the argmax, while there is one. Sampling (SpecInfer's multi-candidate rule, lossless when each sampled
+    proposal is drawn independently from its q): at a node with target p, try the proposals in order; accept
+    child c proposed with q with probability min(1, p(c) / q(c)) (q one-hot for a deterministic proposal:
+    probability p(c)); on rejection p becomes norm(max(p - q, 0)); if every proposal is rejected, or there is
+    none, emit a sample of p.
     """
     history = list(history)
-    node, path = 0, [0]
-    batch = (
-        None if s.reads_history else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
-    )
+    node, path, rows = 0, [0], [] if logprobs else None
+    per_node = s.reads_history or constraint is not None
+    batch = None if per_node else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
     while True:
-        context = history + [tree.tokens[i] for i in path]
+        row = None
+        if per_node or logprobs:
+            x = logits[node] if constraint is None else constraint.mask(logits[node])
+            row = processed_logprobs(x, s, history + [tree.tokens[i] for i in path])
+            if rows is not None:
+                rows.append(row)
         if s.greedy:
-            target = batch[node] if batch is not None else int(mx.argmax(processed_logprobs(logits[node], s, context)))
+            target = batch[node] if batch is not None else int(mx.argmax(row).item())
             nxt = next((c for c in tree.children(node) if tree.tokens[c] == target), None)
             if nxt is None:
-                return path, target
+                return Verified(path, target, rows)
         else:
-            p = batch[node] if batch is not None else sampling_probs(logits[node], s, context)
+            p = batch[node] if batch is not None else filtered_probs(row, s)
             nxt = None
             for child, q in tree.proposals[node]:
                 token = tree.tokens[child]
@@ -194,6 +220,8 @@ def verify_tree(logits: mx.array, tree: DraftTree, s: Sampling, history: Sequenc
                 total = residual.sum()
                 p = mx.where(total > 0, residual / total, p)
             if nxt is None:
-                return path, sample_from(p)
+                return Verified(path, sample_from(p), rows)
         node = nxt
         path.append(node)
+        if constraint is not None:
+            constraint.consume(tree.tokens[node])

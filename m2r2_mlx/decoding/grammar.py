@@ -1,0 +1,126 @@
+"""Structured output: an answer held to a grammar (a JSON schema, any JSON object), with llguidance's matcher.
+
+A grammar is llguidance's serialised form (a string), made here from a JSON schema or for any JSON object, and
+travels in ``GenerationConfig.grammar``. While one answer decodes, a ``Constraint`` holds the matcher over the
+answer's tokens: every mode masks the tokens the grammar forbids out of the logits before it picks a token (the
+target of speculative verification too, so a forbidden draft is never accepted), and the speculative engine
+drafts the continuation the grammar forces (``forced``), which verification accepts whenever the model's
+tokenisation agrees.
+
+JSON is written with fixed separators (", " and ": ", no other whitespace), as Python's json.dumps writes it: the
+model's most familiar form, and every separator, closing quote and next key becomes a forced continuation.
+llguidance was chosen over outlines-core and xgrammar (docs/server.md, "Structured output").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Sequence
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+
+from ..errors import M2R2Error
+
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_FORCED = 64  # bytes of forced text drafted at once
+
+
+def json_schema_grammar(schema: dict | str) -> str:
+    """The grammar of JSON documents valid under ``schema`` (its keywords, "strict" as OpenAI's json_schema)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise M2R2Error(f"the JSON schema is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise M2R2Error('a JSON schema must be a JSON object, e.g. {"type": "object", "properties": {...}}')
+    return check_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT))
+
+
+def check_grammar(grammar: str, lark: bool = False) -> str:
+    """``grammar`` (llguidance's form, or Lark's with ``lark``) in llguidance's form, once it is known valid."""
+    grammar = llguidance.LLMatcher.grammar_from_lark(grammar) if lark else grammar
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise M2R2Error(f"the grammar is not supported: {' '.join(error.split())[:300]}")
+    return grammar
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (OpenAI's response_format json_object)."""
+    return json_schema_grammar({"type": "object"})
+
+
+@functools.lru_cache(maxsize=4)
+def ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of an mlx-lm tokenizer over a model's ``vocab_size`` logits (built once: ~0.5 s)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_token_ids))
+    except ValueError as e:
+        raise M2R2Error(f"structured output needs a fast (Rust) Hugging Face tokenizer: {e}") from None
+
+
+class Constraint:
+    """One answer's grammar: which tokens may come next, and what the grammar forces next, after any sequence of
+    the answer. ``start``: where the answer begins in the sequences it is handed (the prompt's length). The
+    matcher follows the sequence asked about, rolled back where it diverges from the last one (a rejected draft)."""
+
+    def __init__(self, grammar: str, tokenizer, vocab_size: int, start: int):
+        self.tok = ll_tokenizer(tokenizer, vocab_size)
+        self.matcher = llguidance.LLMatcher(self.tok, grammar)
+        if self.matcher.is_error():
+            raise M2R2Error(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.vocab_size, self.start = vocab_size, start
+        self.tokens: list[int] = []  # the answer's tokens the matcher has consumed
+
+    def at(self, sequence: Sequence[int]) -> "Constraint":
+        """Move the matcher to just after ``sequence`` (prompt and answer so far)."""
+        answer = list(sequence[self.start :])
+        same = min(len(self.tokens), len(answer))
+        if self.tokens[:same] != answer[:same]:
+            same = next(i for i in range(same) if self.tokens[i] != answer[i])
+        if same < len(self.tokens):
+            self.matcher.rollback(len(self.tokens) - same)
+            del self.tokens[same:]
+        for t in answer[same:]:
+            self.consume(t)
+        return self
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)):
+            raise M2R2Error(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        self.tokens.append(int(token))
+
+    def allowed(self) -> np.ndarray:
+        """Booleans over the vocabulary: the tokens the grammar allows next (the end-of-sequence where complete)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
+    def mask(self, logits: mx.array, allowed: np.ndarray | None = None) -> mx.array:
+        """``logits`` (last axis the vocabulary) with every token the grammar forbids next at -inf."""
+        allowed = self.allowed() if allowed is None else allowed
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens of the text the grammar forces next, lexeme after lexeme (up to ``limit`` tokens). The last
+        one may be split otherwise by the model (a forced '"' before a free value it could join), so this is a
+        draft that verification checks like any other."""
+        text, consumed = b"", 0
+        while len(text) < MAX_FORCED:
+            forced = self.matcher.compute_ff_bytes()
+            if not forced:
+                break
+            tokens = self.tok.tokenize_bytes(forced)
+            n = self.matcher.try_consume_tokens(tokens)
+            consumed += n
+            if n < len(tokens):
+                break
+            text += forced
+        if consumed:
+            self.matcher.rollback(consumed)
+        return self.tok.tokenize_bytes(text)[:limit] if text else []
