@@ -16,7 +16,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from m2r2_mlx.decoding.options import DecodingOptions
 
-from .protocol import RequestError, chunk, completion, error_body, parse_request, usage, usage_chunk
+from .protocol import (
+    RequestError,
+    chunk,
+    completion,
+    error_body,
+    logprobs_object,
+    parse_request,
+    usage,
+    usage_chunk,
+)
+from .tools import ToolCallSplitter, ToolFormat, format_calls
 from .worker import Failed, Job, ModelWorker, Piece
 
 log = logging.getLogger("m2r2-server")
@@ -177,7 +187,7 @@ class Handler(BaseHTTPRequestHandler):
                     f"no such endpoint: POST {path} (try /v1/chat/completions or /v1/completions)", status=404
                 )
             body = self._body()
-            request = parse_request(ROUTES[path], body, self.server.defaults)
+            request = parse_request(ROUTES[path], body, self.server.defaults, self.server.tool_format)
             job = self.server.worker.submit(request)
         except RequestError as e:
             self._error(e, close=e.unread)
@@ -228,31 +238,57 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"the request body is not valid JSON ({e})") from None
 
     def _complete(self, job: Job, item) -> None:
-        pieces = []
+        pieces, entries = [], []
         while isinstance(item, Piece):
             pieces.append(item.text)
+            entries.extend(item.logprobs or ())
             item = self._next(job)
         if isinstance(item, Failed):
             self._error(item.error)
             return
-        req = job.request
-        self._json(
-            200,
-            completion(req, self.server.model_name, "".join(pieces), item.finish_reason, usage(item.stats, item.mode)),
-        )
+        req, text, calls, finish = job.request, "".join(pieces), None, item.finish_reason
+        if req.tools:
+            text, calls = self._tool_calls(req, text)
+            finish = "tool_calls" if calls and finish == "stop" else finish
+        use = usage(item.stats, item.mode)
+        logprobs = logprobs_object(req, entries)
+        self._json(200, completion(req, self.server.model_name, text, finish, use, logprobs, calls or None))
+
+    def _tool_calls(self, req, text: str) -> tuple[str, list[dict]]:
+        """The answer's content and its tool calls."""
+        splitter = ToolCallSplitter(self.server.tool_format)
+        content = splitter.feed(text) + splitter.close()
+        calls, unparsed = format_calls(self.server.tool_format, splitter.calls, req.tools, streaming=False)
+        return content + unparsed, calls
 
     def _stream(self, job: Job, item) -> None:
         req, model = job.request, self.server.model_name
+        splitter = ToolCallSplitter(self.server.tool_format) if req.tools else None
+        offset = 0  # where the next piece's text starts (the legacy logprobs' text_offset)
         self._headers(200, "text/event-stream", extra={"Cache-Control": "no-cache"})
         while isinstance(item, Piece):
-            self._event(chunk(req, model, item.text))
+            text = item.text if splitter is None else splitter.feed(item.text)
+            logprobs = logprobs_object(req, item.logprobs or [], offset)
+            if text or logprobs:
+                self._event(chunk(req, model, text, logprobs=logprobs))
+            offset += len(text)
             item = self._next(job)
         if isinstance(item, Failed):  # after the headers: an error event, as OpenAI's stream sends one
             self._event(error_body(item.error.message, item.error.kind, item.error.param))
-        else:
-            self._event(chunk(req, model, None, item.finish_reason))
-            if req.include_usage:
-                self._event(usage_chunk(req, model, usage(item.stats, item.mode)))
+            self._event("[DONE]")
+            return
+        finish = item.finish_reason
+        if splitter is not None:
+            rest = splitter.close()
+            calls, unparsed = format_calls(self.server.tool_format, splitter.calls, req.tools, streaming=True)
+            if rest + unparsed:
+                self._event(chunk(req, model, rest + unparsed))
+            if calls:
+                self._event(chunk(req, model, None, tool_calls=calls))
+                finish = "tool_calls" if finish == "stop" else finish
+        self._event(chunk(req, model, None, finish))
+        if req.include_usage:
+            self._event(usage_chunk(req, model, usage(item.stats, item.mode)))
         self._event("[DONE]")
 
 
@@ -272,6 +308,7 @@ class Server(ThreadingHTTPServer):
     ):
         self.worker, self.defaults, self.model_name, self.api_key = worker, defaults, model_name, api_key or None
         self.timeout_s = TIMEOUT_S
+        self.tool_format = ToolFormat.of(worker.lm.tokenizer if worker.lm is not None else None)
         host = address[0]
         self.address_family = socket.getaddrinfo(host, address[1], type=socket.SOCK_STREAM)[0][0]
         super().__init__(address, Handler)

@@ -3,30 +3,34 @@ field), stop strings, and the completion, chunk, usage and error objects."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from m2r2_mlx.decoding.config import MAX_TOP_LOGPROBS
+from m2r2_mlx.decoding.grammar import json_object_grammar, json_schema_grammar
 from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+from .tools import ToolFormat
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4  # as OpenAI's API
+MAX_TOP_LOGPROBS = {"chat": MAX_TOP_LOGPROBS, "text": 5}  # top_logprobs (chat), logprobs (text), as OpenAI's API
+TOOL_CHOICES = ("none", "auto", "required")
 # Fields OpenAI clients may send that this server does not implement: accepted only with a value that asks for
 # nothing (None, or the listed neutral values), else refused rather than silently ignored.
 UNSUPPORTED = {
     "n": (1,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
-    "tools": ([],),
     "functions": ([],),
 }
 
@@ -52,13 +56,18 @@ class RequestError(Exception):
 class Request:
     kind: str  # "chat" (/v1/chat/completions) or "text" (/v1/completions)
     options: DecodingOptions  # the server's defaults, with the request's fields over them (stop strings included)
-    messages: list[dict] = field(default_factory=list)  # chat: role/content, content as text
+    messages: list[dict] = field(default_factory=list)  # chat: role/content (text), tool_calls, tool_call_id
     prompt: str | list[int] = ""  # text completions: text or token ids
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     model: str | None = None
     id: str = ""
     created: int = 0
+    tools: list[dict] | None = None  # rendered by the chat template; None: no tools (or tool_choice "none")
+
+    @property
+    def logprobs(self) -> bool:
+        return self.options.generation.logprobs is not None
 
 
 def _is(value, kind: type) -> bool:
@@ -105,8 +114,140 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise RequestError(f"messages[{i}] needs a role, one of: {', '.join(ROLES)}", f"messages[{i}].role")
-        out.append({"role": ROLES[m["role"]], "content": _text(m.get("content") or "", f"messages[{i}].content")})
+        message = {"role": ROLES[m["role"]], "content": _text(m.get("content") or "", f"messages[{i}].content")}
+        if m.get("tool_calls") and message["role"] == "assistant":
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        if message["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise RequestError(
+                    f"messages[{i}] is a tool result: it needs 'tool_call_id', the id of the call it answers",
+                    f"messages[{i}].tool_call_id",
+                )
+            message["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                message["name"] = m["name"]
+        out.append(message)
     return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, their arguments as objects (what chat templates render)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"'{where}' must be a list of tool calls", where)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
+            raise RequestError(f"{where}[{j}] needs a function with a name", f"{where}[{j}].function")
+        arguments = f.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise RequestError(
+                    f"{where}[{j}].function.arguments must be a JSON object as a string", f"{where}[{j}].function"
+                ) from None
+        call = {"type": "function", "function": {"name": f["name"], "arguments": arguments}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _tools(body: dict, fmt: ToolFormat | None) -> tuple[list[dict] | None, str | None]:
+    """The request's tools (None without any, or with tool_choice "none") and, where a call is required, the name
+    it must call ("" for any tool)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise RequestError("'tool_choice' needs 'tools', the functions the model may call", "tool_choice")
+        return None, None
+    shape = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {JSON schema}}}'
+    if not isinstance(tools, list):
+        raise RequestError(f"'tools' must be a list of {shape}", "tools")
+    names = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]):
+            raise RequestError(f"tools[{i}] must be {shape}", f"tools[{i}]")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}]")
+        if f["name"] in names:
+            raise RequestError(f"tools[{i}]: two tools are named {f['name']!r}", f"tools[{i}]")
+        names.append(f["name"])
+    if fmt is None:
+        raise RequestError(
+            "this model's chat template does not support tool calling, so 'tools' cannot be used; serve a model "
+            "whose template does (e.g. Qwen2.5-Instruct), or leave 'tools' out",
+            "tools",
+        )
+    if choice is None or choice == "auto":
+        return tools, None
+    if choice == "none":
+        return None, None
+    if choice == "required":
+        name = ""
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise RequestError(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
+    else:
+        raise RequestError(
+            f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if not fmt.is_json:
+        raise RequestError(
+            "tool_choice 'required' or a named function needs a model that writes tool calls as JSON "
+            f"({fmt.start}{{...}}{fmt.end} is not); use 'auto'",
+            "tool_choice",
+        )
+    return tools, name
+
+
+def _response_format(body: dict) -> str | None:
+    """The grammar a response_format asks for (None: free text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kinds = '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}'
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"'response_format' must be {kinds}", "response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return json_object_grammar()
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RequestError(
+            "response_format.json_schema needs 'schema', a JSON schema object", "response_format.json_schema"
+        )
+    try:
+        return json_schema_grammar(spec["schema"])
+    except M2R2Error as e:
+        raise RequestError(f"response_format.json_schema.schema: {e}", "response_format.json_schema") from None
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many top tokens each token's log-probability comes with (None: no log-probabilities)."""
+    top = MAX_TOP_LOGPROBS[kind]
+    if kind == "text":  # the legacy API: "logprobs" is the number of top tokens
+        n = body.get("logprobs")
+        if n is None:
+            return None
+        if not (_is(n, int) and 0 <= n <= top):
+            raise RequestError(f"'logprobs' must be an integer from 0 to {top} on /v1/completions", "logprobs")
+        return n
+    want, n = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise RequestError("'logprobs' must be true or false", "logprobs")
+    if n is not None:
+        if not (_is(n, int) and 0 <= n <= top):
+            raise RequestError(f"'top_logprobs' must be an integer from 0 to {top}", "top_logprobs")
+        if not want:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (n or 0) if want else None
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -155,8 +296,9 @@ def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
     return replace(options, generation=replace(options.generation, stop=tuple(_stop(body))))
 
 
-def parse_request(kind: str, body, defaults: DecodingOptions) -> Request:
-    """A request body from /v1/chat/completions (``kind="chat"``) or /v1/completions (``"text"``)."""
+def parse_request(kind: str, body, defaults: DecodingOptions, tool_format: ToolFormat | None = None) -> Request:
+    """A request body from /v1/chat/completions (``kind="chat"``) or /v1/completions (``"text"``);
+    ``tool_format``: how the served model writes tool calls (None: its template has none)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for name, neutral in UNSUPPORTED.items():
@@ -171,14 +313,30 @@ def parse_request(kind: str, body, defaults: DecodingOptions) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
+    options = request_options(body, defaults)
+    grammar, tools, call = _response_format(body), None, None
+    if kind == "chat":
+        tools, call = _tools(body, tool_format)
+    elif body.get("tools"):
+        raise RequestError("'tools' belong to /v1/chat/completions", "tools")
+    if grammar is not None and tools is not None:
+        raise RequestError(
+            "'response_format' with 'tools' cannot be served: an answer held to the format could not call a "
+            "tool; send one of them (or tool_choice 'none')",
+            "response_format",
+        )
+    if call is not None:
+        grammar = tool_format.grammar(tools, call or None)
+    generation = replace(options.generation, grammar=grammar, logprobs=_logprobs(body, kind))
     req = Request(
         kind,
-        request_options(body, defaults),
+        replace(options, generation=generation),
         stream=stream,
         include_usage=bool(stream_options.get("include_usage")),
         model=model,
         id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()),
+        tools=tools,
     )
     if kind == "chat":
         req.messages = _messages(body)
@@ -204,14 +362,42 @@ def usage(stats: AnswerStats, mode: str) -> dict:
     }
 
 
-def _choice(req: Request, text: str | None, finish: str | None, delta: bool) -> dict:
-    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+def logprobs_object(req: Request, entries: list[dict], offset: int = 0) -> dict | None:
+    """OpenAI's logprobs for the tokens of ``entries`` (each {token, logprob, bytes, top_logprobs, layer}): chat's
+    ``content`` list, or the legacy completions' parallel lists (``offset``: where their text starts)."""
+    if not req.logprobs:
+        return None
+    if req.kind == "chat":
+        return {"content": entries, "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+        "layers": [e["layer"] for e in entries],
+    }
+
+
+def _choice(req: Request, text: str | None, finish: str | None, delta: bool, logprobs, tool_calls) -> dict:
+    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if req.kind == "text":
         choice["text"] = text or ""
-    elif delta:
-        choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
+        return choice
+    message: dict = {"role": "assistant"}
+    if delta:
+        if text is not None:
+            message["content"] = text
+        if text is None and not tool_calls:
+            message = {}
     else:
-        choice["message"] = {"role": "assistant", "content": text}
+        message["content"] = text if text or not tool_calls else None
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice["delta" if delta else "message"] = message
     return choice
 
 
@@ -220,13 +406,30 @@ def _envelope(req: Request, model: str, chunk: bool) -> dict:
     return {"id": req.id, "object": kind, "created": req.created, "model": model}
 
 
-def completion(req: Request, model: str, text: str, finish: str, use: dict) -> dict:
-    return {**_envelope(req, model, False), "choices": [_choice(req, text, finish, False)], "usage": use}
+def completion(
+    req: Request,
+    model: str,
+    text: str,
+    finish: str,
+    use: dict,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
+    choice = _choice(req, text, finish, False, logprobs, tool_calls)
+    return {**_envelope(req, model, False), "choices": [choice], "usage": use}
 
 
-def chunk(req: Request, model: str, text: str | None, finish: str | None = None) -> dict:
-    """A streamed piece (``text``), or the last chunk with the finish reason and no text."""
-    return {**_envelope(req, model, True), "choices": [_choice(req, text, finish, True)]}
+def chunk(
+    req: Request,
+    model: str,
+    text: str | None,
+    finish: str | None = None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
+    """A streamed piece (``text``, its tokens' ``logprobs``, or the answer's tool calls), or the last chunk with
+    the finish reason."""
+    return {**_envelope(req, model, True), "choices": [_choice(req, text, finish, True, logprobs, tool_calls)]}
 
 
 def usage_chunk(req: Request, model: str, use: dict) -> dict:

@@ -20,12 +20,15 @@ from typing import Callable
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import DecodeConfig
 from m2r2_mlx.decoding.decoders import MODES, make_decoder
-from m2r2_mlx.decoding.events import check_context
+from m2r2_mlx.decoding.events import TokenEvent, check_context
+from m2r2_mlx.decoding.grammar import ll_tokenizer
 from m2r2_mlx.decoding.options import DecodingOptions, check_kv
 from m2r2_mlx.decoding.protocols import Decoder
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.registry import LoadedModel
+
+from jinja2 import TemplateError
 
 from .protocol import Request, RequestError
 
@@ -36,6 +39,7 @@ KEEP_DECODERS = 4  # decoders kept built (each holds its adapters' weights): the
 @dataclass
 class Piece:
     text: str
+    logprobs: list[dict] | None = None  # its tokens' entries in OpenAI's shape (a request that asked for them)
 
 
 @dataclass
@@ -48,6 +52,26 @@ class Done:
 @dataclass
 class Failed:
     error: RequestError
+
+
+class TokenBytes:
+    """Log-probability entries in OpenAI's shape: each token's text and exact bytes (a token may hold part of a
+    character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = ll_tokenizer(tokenizer, None)
+
+    def _token(self, token: int, logprob: float) -> dict:
+        raw = self.tokenizer.decode_bytes([token])
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def entry(self, ev: TokenEvent, mode: str) -> dict:
+        """``layer``: the layers whose distribution the log-probabilities are (the exit layer in early exit)."""
+        return {
+            **self._token(ev.token, ev.logprob),
+            "top_logprobs": [self._token(t, lp) for t, lp in ev.top_logprobs],
+            "layer": ev.exit_layer if mode == "early-exit" else ev.num_layers,
+        }
 
 
 class Job:
@@ -177,7 +201,10 @@ class ModelWorker:
     def prompt_tokens(self, req: Request) -> list[int]:
         if req.kind == "chat":
             self.session.messages = req.messages
-            return self.session.prompt_tokens()
+            try:
+                return self.session.prompt_tokens(tools=req.tools)
+            except TemplateError as e:  # a template that refuses a conversation (roles out of order...)
+                raise RequestError(f"the model's chat template cannot render these messages: {e}", "messages")
         self.session.messages = []  # a completion has no history: the list would grow by one answer per request
         if isinstance(req.prompt, list):
             vocab = int(self.lm.config.get("vocab_size") or 0)
@@ -193,10 +220,13 @@ class ModelWorker:
         decode = self.decoder(req.options.decode)
         stats, finish = AnswerStats(), None
         stream = self.session.answer(prompt, req.options.generation, decode)
+        token_bytes = TokenBytes(self.lm.tokenizer) if req.logprobs else None
         try:
             for ev in stream:
                 stats.add(ev)
-                if ev.text:
+                if token_bytes is not None and ev.logprob is not None:
+                    job.items.put(Piece(ev.text, [token_bytes.entry(ev, decode.name)]))
+                elif ev.text:
                     job.items.put(Piece(ev.text))
                 finish = ev.finish_reason
                 if finish or job.cancelled.is_set():

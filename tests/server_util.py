@@ -157,3 +157,16 @@ def start_subprocess(*flags: str, env: dict | None = None) -> tuple[subprocess.P
 
 def server_port(lines: list[str]) -> int:
     return int(lines[-1].strip().rsplit(":", 1)[-1].split("/")[0])
+
+
+def tool_model(folder: Path) -> LoadedModel:
+    """The embedded model under a tool-calling chat template (tests/data/hermes_tools.jinja, in the manner of
+    Qwen2.5's), loaded from ``folder``: its weights and tokenizer linked, the template its own."""
+    from m2r2_mlx.models.registry import load_model, resolve_model_path
+
+    source = resolve_model_path("smollm2")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(source / name)
+    (folder / "chat_template.jinja").write_text((ROOT / "tests" / "data" / "hermes_tools.jinja").read_text())
+    return load_model(str(folder))

@@ -43,10 +43,13 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self.cache.reset()
 
-    def prompt_tokens(self) -> list[int]:
+    def prompt_tokens(self, tools: list[dict] | None = None) -> list[int]:
+        """The conversation as the model's chat template renders it (with ``tools``, OpenAI-style function specs,
+        for a template that supports them)."""
         tok = self.lm.tokenizer
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(self.messages, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            ids = tok.apply_chat_template(self.messages, add_generation_prompt=True, **extra)
         else:  # base models without a template: plain concatenation
             ids = tok.encode("\n".join(m["content"] for m in self.messages) + "\n")
         return list(ids)
