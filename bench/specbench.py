@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="m2r2-bench",
         description=__doc__.split("\n")[0],
-        epilog="m2r2-bench --moe [...] runs the MoE expert-cache benchmark instead (see m2r2-bench --moe --help)",
+        epilog="m2r2-bench --moe [...] runs the MoE expert-cache benchmark instead (see m2r2-bench --moe --help); "
+        "m2r2-bench --structured [...] JSON extraction under schemas (m2r2-bench --structured --help)",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     p.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
@@ -219,6 +220,10 @@ def main() -> None:
         from m2r2_bench import moe_bench
 
         return moe_bench.main([a for a in sys.argv[1:] if a != "--moe"])
+    if "--structured" in sys.argv[1:]:  # JSON extraction under schemas (bench/structured.py)
+        from m2r2_bench import structured
+
+        sys.exit(structured.main([a for a in sys.argv[1:] if a != "--structured"]))
     sys.exit(run_cli("m2r2-bench", _main))
 
 
