@@ -5,6 +5,8 @@
     chat = m2r2_mlx.ChatSession(lm, decoder=m2r2_mlx.make_decoder(lm, "speculative"))
     for event in chat.send("What is the capital of France?", m2r2_mlx.GenerationConfig(max_tokens=64)):
         print(event.text, end="")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    json_answer = m2r2_mlx.GenerationConfig(max_tokens=64, grammar=m2r2_mlx.json_schema_grammar(schema))
 
 Layers, each importing only the ones before it: ``models`` (loading bases) → ``core`` (the M2R2 model:
 fast stream, adapters, ARLA) → ``decoding`` (plain, speculative, early exit, chat sessions) → the apps
@@ -40,6 +42,7 @@ _PUBLIC = {
     "ChatSession": "m2r2_mlx.decoding.chat",
     "AnswerStats": "m2r2_mlx.decoding.stats",
     "M2R2Error": "m2r2_mlx.errors",
+    "json_schema_grammar": "m2r2_mlx.decoding.grammar",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -3,24 +3,22 @@ field), stop strings, and the completion, chunk, usage and error objects."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from m2r2_mlx.decoding.config import MAX_TOP_LOGPROBS
-from m2r2_mlx.decoding.grammar import json_object_grammar, json_schema_grammar
 from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 
+from .errors import RequestError
+from .fields import parse_logprobs, parse_response_format, parse_tool_calls, parse_tools
 from .tools import ToolFormat
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4  # as OpenAI's API
-MAX_TOP_LOGPROBS = {"chat": MAX_TOP_LOGPROBS, "text": 5}  # top_logprobs (chat), logprobs (text), as OpenAI's API
-TOOL_CHOICES = ("none", "auto", "required")
+
 # Fields OpenAI clients may send that this server does not implement: accepted only with a value that asks for
 # nothing (None, or the listed neutral values), else refused rather than silently ignored.
 UNSUPPORTED = {
@@ -33,23 +31,6 @@ UNSUPPORTED = {
     "logit_bias": ({},),
     "functions": ([],),
 }
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP ``status`` with OpenAI's error object."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        unread: bool = False,
-    ):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
-        self.unread = unread  # refused before its body was read: the connection closes after the answer
 
 
 @dataclass
@@ -116,7 +97,7 @@ def _messages(body: dict) -> list[dict]:
             raise RequestError(f"messages[{i}] needs a role, one of: {', '.join(ROLES)}", f"messages[{i}].role")
         message = {"role": ROLES[m["role"]], "content": _text(m.get("content") or "", f"messages[{i}].content")}
         if m.get("tool_calls") and message["role"] == "assistant":
-            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            message["tool_calls"] = parse_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         if message["role"] == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise RequestError(
@@ -128,126 +109,6 @@ def _messages(body: dict) -> list[dict]:
                 message["name"] = m["name"]
         out.append(message)
     return out
-
-
-def _tool_calls(calls, where: str) -> list[dict]:
-    """An assistant message's earlier tool calls, their arguments as objects (what chat templates render)."""
-    if not isinstance(calls, list):
-        raise RequestError(f"'{where}' must be a list of tool calls", where)
-    out = []
-    for j, c in enumerate(calls):
-        f = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
-            raise RequestError(f"{where}[{j}] needs a function with a name", f"{where}[{j}].function")
-        arguments = f.get("arguments") or "{}"
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise RequestError(
-                    f"{where}[{j}].function.arguments must be a JSON object as a string", f"{where}[{j}].function"
-                ) from None
-        call = {"type": "function", "function": {"name": f["name"], "arguments": arguments}}
-        if isinstance(c.get("id"), str):
-            call["id"] = c["id"]
-        out.append(call)
-    return out
-
-
-def _tools(body: dict, fmt: ToolFormat | None) -> tuple[list[dict] | None, str | None]:
-    """The request's tools (None without any, or with tool_choice "none") and, where a call is required, the name
-    it must call ("" for any tool)."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none"):
-            raise RequestError("'tool_choice' needs 'tools', the functions the model may call", "tool_choice")
-        return None, None
-    shape = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {JSON schema}}}'
-    if not isinstance(tools, list):
-        raise RequestError(f"'tools' must be a list of {shape}", "tools")
-    names = []
-    for i, t in enumerate(tools):
-        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
-        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]):
-            raise RequestError(f"tools[{i}] must be {shape}", f"tools[{i}]")
-        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}]")
-        if f["name"] in names:
-            raise RequestError(f"tools[{i}]: two tools are named {f['name']!r}", f"tools[{i}]")
-        names.append(f["name"])
-    if fmt is None:
-        raise RequestError(
-            "this model's chat template does not support tool calling, so 'tools' cannot be used; serve a model "
-            "whose template does (e.g. Qwen2.5-Instruct), or leave 'tools' out",
-            "tools",
-        )
-    if choice is None or choice == "auto":
-        return tools, None
-    if choice == "none":
-        return None, None
-    if choice == "required":
-        name = ""
-    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name not in names:
-            raise RequestError(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
-    else:
-        raise RequestError(
-            f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-            '{"type": "function", "function": {"name": ...}}',
-            "tool_choice",
-        )
-    if not fmt.is_json:
-        raise RequestError(
-            "tool_choice 'required' or a named function needs a model that writes tool calls as JSON "
-            f"({fmt.start}{{...}}{fmt.end} is not); use 'auto'",
-            "tool_choice",
-        )
-    return tools, name
-
-
-def _response_format(body: dict) -> str | None:
-    """The grammar a response_format asks for (None: free text)."""
-    rf = body.get("response_format")
-    if rf is None:
-        return None
-    kinds = '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}'
-    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise RequestError(f"'response_format' must be {kinds}", "response_format")
-    if rf["type"] == "text":
-        return None
-    if rf["type"] == "json_object":
-        return json_object_grammar()
-    spec = rf.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise RequestError(
-            "response_format.json_schema needs 'schema', a JSON schema object", "response_format.json_schema"
-        )
-    try:
-        return json_schema_grammar(spec["schema"])
-    except M2R2Error as e:
-        raise RequestError(f"response_format.json_schema.schema: {e}", "response_format.json_schema") from None
-
-
-def _logprobs(body: dict, kind: str) -> int | None:
-    """How many top tokens each token's log-probability comes with (None: no log-probabilities)."""
-    top = MAX_TOP_LOGPROBS[kind]
-    if kind == "text":  # the legacy API: "logprobs" is the number of top tokens
-        n = body.get("logprobs")
-        if n is None:
-            return None
-        if not (_is(n, int) and 0 <= n <= top):
-            raise RequestError(f"'logprobs' must be an integer from 0 to {top} on /v1/completions", "logprobs")
-        return n
-    want, n = body.get("logprobs"), body.get("top_logprobs")
-    if want is not None and not isinstance(want, bool):
-        raise RequestError("'logprobs' must be true or false", "logprobs")
-    if n is not None:
-        if not (_is(n, int) and 0 <= n <= top):
-            raise RequestError(f"'top_logprobs' must be an integer from 0 to {top}", "top_logprobs")
-        if not want:
-            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return (n or 0) if want else None
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -314,9 +175,9 @@ def parse_request(kind: str, body, defaults: DecodingOptions, tool_format: ToolF
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
     options = request_options(body, defaults)
-    grammar, tools, call = _response_format(body), None, None
+    grammar, tools, call = parse_response_format(body), None, None
     if kind == "chat":
-        tools, call = _tools(body, tool_format)
+        tools, call = parse_tools(body, tool_format)
     elif body.get("tools"):
         raise RequestError("'tools' belong to /v1/chat/completions", "tools")
     if grammar is not None and tools is not None:
@@ -326,8 +187,11 @@ def parse_request(kind: str, body, defaults: DecodingOptions, tool_format: ToolF
             "response_format",
         )
     if call is not None:
-        grammar = tool_format.grammar(tools, call or None)
-    generation = replace(options.generation, grammar=grammar, logprobs=_logprobs(body, kind))
+        try:
+            grammar = tool_format.grammar(tools, call or None)
+        except M2R2Error as e:  # a tool's parameters that are no JSON schema the grammar library takes
+            raise RequestError(f"'tools': {e}", "tools") from None
+    generation = replace(options.generation, grammar=grammar, logprobs=parse_logprobs(body, kind))
     req = Request(
         kind,
         replace(options, generation=generation),

@@ -70,3 +70,34 @@ def test_speculative_mode_bad_input(extra, message):
         [EXE, "--prompt", "hi", "--mode", "speculative", *extra], capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+def test_json_schema_answer_validates_and_a_bad_schema_is_one_line(tmp_path):
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    q = ["--prompt", "Paris is the capital of France. Give the city and its country.", "--max-tokens", "40"]
+    for mode in ("plain", "speculative"):
+        r = subprocess.run(
+            [EXE, *q, "--json-schema", str(tmp_path / "schema.json"), "--mode", mode],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr
+        jsonschema.validate(json.loads(r.stdout), schema)
+    (tmp_path / "bad.json").write_text('{"type": "nonsense"}')
+    for path, message in [(tmp_path / "bad.json", "nonsense"), (tmp_path / "none.json", "not found")]:
+        r = subprocess.run([EXE, *q, "--json-schema", str(path)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1

@@ -12,9 +12,11 @@ from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mlx_lm.tool_parsers import json_tools
 
 from m2r2_server.cli import build_parser
 from m2r2_server.protocol import UNSUPPORTED, Request, RequestError, error_body, parse_request
+from m2r2_server.tools import ToolFormat
 
 from .server_util import is_error_body, port, running
 
@@ -30,6 +32,16 @@ MESSAGE = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "x"]) | JSON,
         "content": st.text(max_size=30) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JSON})),
+    },
+    optional={"tool_calls": st.lists(JSON, max_size=2) | JSON, "tool_call_id": st.text(max_size=5) | JSON},
+)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.text(min_size=1, max_size=6)},
+            optional={"parameters": st.just({"type": "object", "properties": {"a": {"type": "integer"}}}) | JSON},
+        ),
     }
 )
 FIELDS = {
@@ -39,6 +51,18 @@ FIELDS = {
     "stream": st.booleans() | JSON,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | JSON,
     "model": st.text(max_size=8) | JSON,
+    "logprobs": st.booleans() | st.integers(-1, 7) | JSON,
+    "top_logprobs": st.integers(-1, 22) | JSON,
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                        {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}])
+                       | st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                "json_schema": st.fixed_dictionaries({"schema": JSON})}) | JSON,
+    "tools": st.lists(TOOL | st.fixed_dictionaries({"type": st.just("function"), "function": JSON}), max_size=2)
+             | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required"])
+                   | st.fixed_dictionaries({"type": st.just("function"),
+                                            "function": st.fixed_dictionaries({"name": st.text(max_size=6)})})
+                   | JSON,
     **{name: st.sampled_from(list(neutral)) | JSON for name, neutral in UNSUPPORTED.items()},
     **{f: (NAMES if o.type is str else NUMBERS if o.type in (int, float) else st.booleans()) | JSON
        for o in OPTIONS for f in o.fields},
@@ -74,12 +98,16 @@ def _defaults() -> DecodingOptions:
     return DecodingOptions.from_values(vars(build_parser().parse_args([])))
 
 
+JSON_TOOLS = ToolFormat("<tool_call>", "</tool_call>", json_tools.parse_tool_call)  # Qwen's and Hermes' calls
+
+
+@pytest.mark.parametrize("tool_format", [None, JSON_TOOLS], ids=["no-tools", "json-tools"])
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(kind=KINDS, body=BODIES)
-def test_the_parser_answers_a_request_or_a_4xx_in_openais_shape(kind, body):
+def test_the_parser_answers_a_request_or_a_4xx_in_openais_shape(tool_format, kind, body):
     defaults = _defaults()
     try:
-        parsed = parse_request(kind, body, defaults)
+        parsed = parse_request(kind, body, defaults, tool_format)
     except RequestError as e:
         assert 400 <= e.status < 500, e.message
         assert is_error_body(error_body(e.message, e.kind, e.param, e.code))

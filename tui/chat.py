@@ -5,15 +5,19 @@ m2r2-chat --model phi3                      # a hub model by alias (downloaded o
 m2r2-chat --prompt "What is the capital of France?"   # one answer, no UI
 echo "What is the capital of France?" | m2r2-chat -p -  # the prompt from stdin
 m2r2-chat --adapters owner/repo --mode speculative  # Hub adapters; their base model is the model
+m2r2-chat --json-schema person.json -p "..."  # every answer JSON valid under the schema
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.decoding.decoders import resolve_for_mode
+from m2r2_mlx.decoding.grammar import json_schema_grammar
 from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
@@ -48,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", help="print the answer to this prompt and exit (no terminal UI); - reads stdin")
     p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
     p.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="every answer is JSON valid under this JSON schema (structured output, in every mode)",
+    )
+    p.add_argument(
         "--memory-budget",
         default=None,
         metavar="B",
@@ -74,11 +85,26 @@ def chat_setup(values: dict) -> ChatSetup:
     """From the command line's values: options in range, then the model and adapters decided from their names (a
     mode that needs adapters the model has none of fails here, before any download)."""
     options = DecodingOptions.from_values(values)
+    if values.get("json_schema") is not None:
+        options = replace(
+            options, generation=replace(options.generation, grammar=schema_grammar(values["json_schema"]))
+        )
     model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
     experts = None
     if values["memory_budget"] is not None:
         experts = ExpertBudget(values["memory_budget"], values["expert_predictor"], values["link_gbps"])
     return ChatSetup(model, None if folder is None else str(folder), options, values["system_prompt"], experts)
+
+
+def schema_grammar(path: Path) -> str:
+    if not path.is_file():
+        raise M2R2Error(f"--json-schema: {path} not found; pass a file holding a JSON schema")
+    try:
+        return json_schema_grammar(path.read_text())
+    except M2R2Error as e:
+        raise M2R2Error(f"--json-schema {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise M2R2Error(f"--json-schema {path}: not a text file; pass a file holding a JSON schema") from None
 
 
 def one_shot(setup: ChatSetup, prompt: str) -> int:

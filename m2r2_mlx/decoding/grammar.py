@@ -38,13 +38,20 @@ def json_schema_grammar(schema: dict | str) -> str:
             raise M2R2Error(f"the JSON schema is not valid JSON ({e})") from None
     if not isinstance(schema, dict):
         raise M2R2Error('a JSON schema must be a JSON object, e.g. {"type": "object", "properties": {...}}')
-    return check_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT))
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+    except (ValueError, TypeError) as e:
+        raise M2R2Error(f"the JSON schema cannot be read: {' '.join(str(e).split())[:300]}") from None
+    return check_grammar(grammar)
 
 
 def check_grammar(grammar: str, lark: bool = False) -> str:
     """``grammar`` (llguidance's form, or Lark's with ``lark``) in llguidance's form, once it is known valid."""
-    grammar = llguidance.LLMatcher.grammar_from_lark(grammar) if lark else grammar
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(grammar) if lark else grammar
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RuntimeError) as e:  # llguidance's own refusals of a malformed input
+        error = str(e) or type(e).__name__
     if error:
         raise M2R2Error(f"the grammar is not supported: {' '.join(error.split())[:300]}")
     return grammar

@@ -46,7 +46,8 @@ class VerifyAll:
         self.drafts = any(not d.free for d in drafters)
 
     def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
-        return StepPlan(range(len(tree)), request if self.drafts and request.limit > 0 else None)
+        room = request.limit - tree.depths[request.after]  # after the grammar's forced text, if any
+        return StepPlan(range(len(tree)), replace(request, limit=room) if self.drafts and room > 0 else None)
 
     def observe(self, outcome: Outcome) -> None:
         pass
