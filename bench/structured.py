@@ -25,6 +25,7 @@ from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.grammar import json_schema_grammar
 from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -41,8 +42,10 @@ METHODS = {  # name -> decoder config; "plain" first: every speedup is over it
     "lookup": DecodeConfig("lookup"),
     "speculative": DecodeConfig("speculative"),
     "early-exit": DecodeConfig("early-exit"),
+    "layerskip": DecodeConfig("layerskip"),
 }
-LOSSLESS = ("plain", "lookup", "speculative")
+DEFAULT_METHODS = "plain,lookup,speculative,early-exit"
+LOSSLESS = ("plain", "lookup", "speculative", "layerskip")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,11 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="base model (default: the embedded smollm2)")
     p.add_argument("--adapters", default=None, help="M2R2 adapters (default: the packaged ones)")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help=f"extraction prompts (default: {PROMPTS.name})")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"comma-separated, of: {', '.join(METHODS)} (default: {DEFAULT_METHODS})",
+    )
     p.add_argument("--order", choices=ORDERS, default="given", help="the order prompts are asked in")
     p.add_argument("--seed", type=int, default=0, help="the shuffled order's seed")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="mlx-lm's repetition penalty over the last 20 tokens (1: off; 1.1 keeps a small model out of loops)",
+    )
     p.add_argument("--out", type=Path, default=Path("build/structured"), help="results.md and answers.jsonl here")
     return p
 
@@ -73,10 +86,10 @@ def read_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-def answer(lm, decode, prompt: dict, max_tokens: int) -> dict:
+def answer(lm, decode, prompt: dict, max_tokens: int, sampling: Sampling = Sampling()) -> dict:
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt["prompt"]}], add_generation_prompt=True)
     stats, tokens, times = AnswerStats(), [], []
-    for ev in decode(ids, PromptCache(lm.model), GenerationConfig(max_tokens, grammar=prompt["grammar"])):
+    for ev in decode(ids, PromptCache(lm.model), GenerationConfig(max_tokens, sampling, grammar=prompt["grammar"])):
         times.append(time.perf_counter())
         tokens.append(ev.token)
         stats.add(ev)
@@ -94,16 +107,17 @@ def answer(lm, decode, prompt: dict, max_tokens: int) -> dict:
         "valid": valid,
         "decode_time": times[-1] - times[0] if len(times) > 1 else 0.0,
         "tokens_per_step": stats.accepted_per_step,
+        "cut": stats.finish_reason == "length",  # stopped at max_tokens, the JSON unfinished
     }
 
 
 def summarise(records: dict[str, list[dict]], names: list[str]) -> str:
     """The table: per category and overall, each method's tokens/s, speedup over plain, tokens per step, valid
-    share, and (lossless methods) answers identical to plain's."""
+    share, the answers cut at max_tokens, and (lossless methods) answers identical to plain's."""
     groups = sorted({r["category"] for r in records["plain"]}) + ["overall"]
     lines = [
-        "| set | method | tokens/s | vs plain | tokens/step | valid | same as plain |",
-        "|---|---|---|---|---|---|---|",
+        "| set | method | tokens/s | vs plain | tokens/step | valid | cut at max tokens | same as plain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for group in groups:
         keep = [i for i, r in enumerate(records["plain"]) if group in ("overall", r["category"])]
@@ -122,7 +136,7 @@ def summarise(records: dict[str, list[dict]], names: list[str]) -> str:
             lines.append(
                 f"| {group} | {name} | {rate(name):.1f} | {rate(name) / rate('plain'):.2f}x | "
                 f"{statistics.mean(r['tokens_per_step'] for r in rs):.2f} | "
-                f"{sum(r['valid'] for r in rs)}/{len(rs)} | {same} |"
+                f"{sum(r['valid'] for r in rs)}/{len(rs)} | {sum(r['cut'] for r in rs)} | {same} |"
             )
     return "\n".join(lines)
 
@@ -139,15 +153,17 @@ def _main(argv: list[str] | None = None) -> int:
     decoders = {name: make_decoder(lm, METHODS[name], args.adapters) for name in names}
     answer(lm, decoders["plain"], prompts[0], 8)  # first-time shapes are slow: not in any method's figures
     records: dict[str, list[dict]] = {name: [] for name in names}
+    sampling = Sampling(repetition_penalty=args.repetition_penalty)
     for prompt in tqdm(prompts, desc="structured", unit="prompt"):
         for name in names:
-            records[name].append(answer(lm, decoders[name], prompt, args.max_tokens))
+            records[name].append(answer(lm, decoders[name], prompt, args.max_tokens, sampling))
     md = summarise(records, names)
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = " ".join(["m2r2-bench", "--structured", *(argv if argv is not None else sys.argv[1:])])
     atomic_write_text(
         args.out / "results.md",
-        f"# Structured output on {lm.name}\n\n`{cmd}`; {len(prompts)} prompts ({args.order} order), greedy, "
+        f"# Structured output on {lm.name}\n\n`{cmd}`; {len(prompts)} prompts ({args.order} order), greedy "
+        f"(repetition penalty {args.repetition_penalty}), {args.max_tokens} tokens at most, "
         f"one decoder per method for the run, {blas_info().name} BLAS; decode tokens/s (prefill excluded), "
         f"speedup over plain constrained decoding in the same run.\n\n{md}\n",
     )
