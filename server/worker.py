@@ -224,7 +224,7 @@ class ModelWorker:
         try:
             for ev in stream:
                 stats.add(ev)
-                if token_bytes is not None and ev.logprob is not None:
+                if token_bytes is not None and ev.logprob is not None and not ev.eos:  # as OpenAI: no end token
                     job.items.put(Piece(ev.text, [token_bytes.entry(ev, decode.name)]))
                 elif ev.text:
                     job.items.put(Piece(ev.text))
