@@ -21,11 +21,14 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
+from m2r2_mlx.decoding.config import DRAFT_DEFAULTS, DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.drafters import ForcedDrafter
 from m2r2_mlx.decoding.grammar import json_schema_grammar
+from m2r2_mlx.decoding.planner import VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling
+from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -43,9 +46,10 @@ METHODS = {  # name -> decoder config; "plain" first: every speedup is over it
     "speculative": DecodeConfig("speculative"),
     "early-exit": DecodeConfig("early-exit"),
     "layerskip": DecodeConfig("layerskip"),
+    "forced": None,  # the grammar's forced text alone, every proposal verified: what the forced drafter gives
 }
 DEFAULT_METHODS = "plain,lookup,speculative,early-exit"
-LOSSLESS = ("plain", "lookup", "speculative", "layerskip")
+LOSSLESS = ("plain", "lookup", "speculative", "layerskip", "forced")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("build/structured"), help="results.md and answers.jsonl here")
     return p
+
+
+def make_method(lm, name: str, adapters: str | None):
+    if name == "forced":
+        forced = ForcedDrafter()
+        limit = DRAFT_DEFAULTS["cost"].max_draft
+        return Speculator(
+            lm.model, lm.tokenizer, [forced], VerifyAll([forced]), max_draft=limit, context_length=lm.context_length
+        )
+    return make_decoder(lm, METHODS[name], adapters)
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -150,7 +164,7 @@ def _main(argv: list[str] | None = None) -> int:
     names = names if "plain" in names else ["plain", *names]
     prompts = ordered(read_prompts(args.prompts), args.order, args.seed)[: args.limit]
     lm = load_model(args.model)
-    decoders = {name: make_decoder(lm, METHODS[name], args.adapters) for name in names}
+    decoders = {name: make_method(lm, name, args.adapters) for name in names}
     answer(lm, decoders["plain"], prompts[0], 8)  # first-time shapes are slow: not in any method's figures
     records: dict[str, list[dict]] = {name: [] for name in names}
     sampling = Sampling(repetition_penalty=args.repetition_penalty)
