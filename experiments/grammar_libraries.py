@@ -41,7 +41,9 @@ HARD = {  # features beyond flat objects
     "additionalProperties schema": {"type": "object", "additionalProperties": {"type": "integer"}},
     "recursive": {
         "type": "object",
-        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$defs": {
+            "node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+        },
         "properties": {"root": {"$ref": "#/$defs/node"}},
     },
     "minimum/maximum": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 12}}},

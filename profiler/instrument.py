@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from m2r2_mlx.decoding import early_exit, generate, speculative
+from m2r2_mlx.decoding import generate, speculative
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.base_model import BaseParts
 
@@ -148,12 +148,11 @@ def _sampler_class(rec: Recorder, cls):
 
 
 def _sampling(p: Patches, rec: Recorder) -> None:
-    """The sampling functions the decoding loops call by name (their modules' globals)."""
+    """The sampling the decoding loops call by name (their modules' globals): every mode's NextToken is made in
+    generate (start_decoding) or in speculative (a plain stretch)."""
     for module in (generate, speculative):
         p.attribute(module, "NextToken", _sampler_class(rec, module.NextToken))
-    for module in (speculative, early_exit):
-        p.attribute(module, "next_token", timed(rec, module.next_token, "sample", "sampling"))
-    note = lambda a, k, out: {"accepted": len(out[0]) - 1}
+    note = lambda a, k, out: {"accepted": len(out.path) - 1}
     p.attribute(speculative, "verify_tree", timed(rec, speculative.verify_tree, "accept", "acceptance", note=note))
 
 

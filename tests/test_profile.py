@@ -99,7 +99,7 @@ def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
     from m2r2_mlx.models.registry import load_model
 
     monkeypatch.setenv("M2R2_HOME", str(tmp_path / "home"))
-    before = (generate.NextToken, speculative.verify_tree, speculative.next_token)
+    before = (generate.NextToken, speculative.verify_tree, speculative.NextToken)
     lm = load_model(str(moe_folder))
     layer = lm.model.model.layers[0]
     classes = (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens))
@@ -116,7 +116,7 @@ def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
         assert type(layer.self_attn) is not classes[0] and isinstance(layer.self_attn, classes[0])
         assert [k for k, _ in tree_flatten(lm.model.parameters())] == names  # the parameter tree is untouched
     assert (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens)) == classes
-    assert (generate.NextToken, speculative.verify_tree, speculative.next_token) == before
+    assert (generate.NextToken, speculative.verify_tree, speculative.NextToken) == before
     assert "forward" not in vars(cache)
 
 
