@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from .conftest import slow_after_first
+
 EXE = shutil.which("m2r2-bench")
 
 QUESTIONS = [
@@ -136,14 +138,16 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.parametrize(
     "args, message",
-    [
-        (["--categories", "poetry"], "unknown categories"),
-        (["--methods", "plain,warp"], "unknown methods"),
-        (["--methods", "mlx-lm-spec"], "needs --draft-model"),
-        (["--questions", "/no/such.jsonl"], "not found"),
-        (["--temperature", "-1"], "--temperature must be 0"),
-        (["--top-p", "0"], "--top-p in (0, 1]"),
-    ],
+    slow_after_first(
+        [
+            (["--categories", "poetry"], "unknown categories"),
+            (["--methods", "plain,warp"], "unknown methods"),
+            (["--methods", "mlx-lm-spec"], "needs --draft-model"),
+            (["--questions", "/no/such.jsonl"], "not found"),
+            (["--temperature", "-1"], "--temperature must be 0"),
+            (["--top-p", "0"], "--top-p in (0, 1]"),
+        ]
+    ),
 )
 def test_bench_bad_input_is_one_line(tmp_path, args, message):
     r = subprocess.run(

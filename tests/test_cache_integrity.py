@@ -138,6 +138,7 @@ st.ExpertStore.export(tiny_model("olmoe").model, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_an_expert_export_killed_half_way_is_redone(tmp_path):
     folder = tmp_path / "experts" / "tiny"
     _killed_mid_write(STALLED_EXPORT, str(folder))
@@ -167,6 +168,7 @@ def test_a_flipped_byte_in_an_expert_file_fails_at_open(tmp_path, caplog):
     assert not ExpertStore.finished(store.folder)
 
 
+@pytest.mark.slow
 def test_the_build_lock_serialises_builders_and_clears_leftovers(tmp_path):
     dest = tmp_path / "out"
     (tmp_path / ".out.abc12345").mkdir()  # a killed build's temporary folder

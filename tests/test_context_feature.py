@@ -61,7 +61,7 @@ def ctx_m2r2(lm):
     return m
 
 
-@pytest.mark.parametrize("max_draft", [1, 4])
+@pytest.mark.parametrize("max_draft", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_speculative_with_the_feature_is_lossless(lm, ctx_m2r2, max_draft):
     model, tok = ctx_m2r2.base, lm.tokenizer
     drafter = LayerDrafter(ctx_m2r2, 0)

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from .conftest import slow_after_first
+
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402  (after the skip: needs torch)
 
@@ -66,6 +68,7 @@ def test_state_dict_converts_to_the_same_exits_and_arla(base, tmp_path):
     assert_same_arla(m2r2, module, fast, torch_fast)
 
 
+@pytest.mark.slow
 def test_per_interval_ranks_are_read_from_the_shapes(base, tmp_path):
     folder, lm, twin = base
     module = random_adapters(rank=[RANK * 2, RANK])
@@ -148,13 +151,15 @@ def _edit(state: dict, case: str) -> dict:
 
 @pytest.mark.parametrize(
     ("case", "fragments"),
-    [
-        ("missing", ["missing key 'adapters.3.up.weight'"]),
-        ("unknown", ["unknown key 'adapters.0.extra.weight'"]),
-        ("shape", ["'adapters.1.down.weight'", "(5, 64)", "expected (4, 64)"]),
-        ("object", ["objects other than tensors", "weights_only"]),
-        ("number", ["'step' is a int, not a tensor"]),
-    ],
+    slow_after_first(
+        [
+            ("missing", ["missing key 'adapters.3.up.weight'"]),
+            ("unknown", ["unknown key 'adapters.0.extra.weight'"]),
+            ("shape", ["'adapters.1.down.weight'", "(5, 64)", "expected (4, 64)"]),
+            ("object", ["objects other than tensors", "weights_only"]),
+            ("number", ["'step' is a int, not a tensor"]),
+        ]
+    ),
 )
 def test_faulty_checkpoints_are_one_line_errors(base, tmp_path, case, fragments):
     folder = base[0]

@@ -127,6 +127,7 @@ def test_peft_layers_past_the_last_gate_are_named(base, tmp_path):
         convert_in_process(folder, lm, gates=GATES)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_mapping_and_writes_nothing(base, tmp_path):
     folder, _, twin = base
     peft = write_peft(tmp_path / "peft", random_lora(twin))

@@ -46,6 +46,7 @@ def test_distill_log_skips_a_torn_last_line(tmp_path):
     assert DistillLog(path).done == {(0, 0): [1, 2, 3], (1, 0): [4]}
 
 
+@pytest.mark.slow
 def test_multi_turn_self_distillation_and_resume(lm, tmp_path):
     tok = lm.tokenizer
     conversations = [["Name a colour."], ["Name a fruit.", "Why is it good for you?"]]
@@ -71,6 +72,7 @@ def test_multi_turn_self_distillation_and_resume(lm, tmp_path):
     assert log.read_text().splitlines() == lines
 
 
+@pytest.mark.slow
 def test_distillation_under_the_cpu_kernels_gives_the_same_answers(lm):
     """Batched prompts of different lengths (padding masks) through the training kernels: same greedy tokens."""
     from m2r2_mlx.training.cpu_kernels import fast_kernels

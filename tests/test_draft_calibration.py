@@ -86,6 +86,7 @@ def test_signal_table_splits_steps_by_what_is_known_before_drafting():
     assert "| previous step's draft rejected | 2 | 50% |" in lines  # the first step has no previous one
 
 
+@pytest.mark.slow
 def test_signals_read_the_full_models_probability_of_the_token_each_draft_follows(lm):
     from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
     from m2r2_mlx.decoding.decoders import make_drafter

@@ -102,6 +102,7 @@ def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
     assert {e.exit_layer for e in always[1:]} == {2}
 
 
+@pytest.mark.slow
 def test_negative_exit_vocab_is_one_clear_line(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "m2r2_mlx.training.train", "--exit-vocab", "-1", "-o", str(tmp_path / "o")],

@@ -8,6 +8,7 @@ from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.training.evaluate import gate_agreement
 
 import numpy as np
+import pytest
 
 from experiments.gate_agreement import held_out_results, table
 
@@ -23,6 +24,7 @@ def test_table_adds_the_baseline_column_only_when_measured():
     assert "|---|---|---|---|" in both and "| L12 | 8.0% | 20.0% | 25.0% |" in both
 
 
+@pytest.mark.slow
 def test_missing_rows_file_is_one_clear_line(tmp_path):
     r = subprocess.run(
         [

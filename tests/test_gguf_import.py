@@ -109,6 +109,7 @@ def test_import_is_cached_and_never_overwrites_foreign_folder(tmp_path, lm):
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_truncated_gguf_is_one_clear_error(tmp_path):
     src = embedded_gguf_path()
     cut = tmp_path / "cut.gguf"

@@ -137,6 +137,7 @@ def test_chat_mode_without_adapters_fails_before_any_download(tmp_path):
     assert not (tmp_path / "hf").exists()  # nothing was fetched
 
 
+@pytest.mark.slow
 def test_train_refuses_a_bad_upload_repo_before_training(tmp_path):
     r = _run("m2r2_mlx.training.train", "-o", str(tmp_path / "out"), "--upload-repo", "nope")
     assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -77,6 +77,7 @@ def test_sampled_requests_are_distinct_and_answerable(lm, tmp_path):
     assert again == requests  # deterministic for a seed
 
 
+@pytest.mark.slow
 def test_a_model_that_never_ends_its_requests_is_one_clear_error(lm):
     with pytest.raises(
         M2R2Error, match=r"only 0 of 1 requests kept after 20 samples \(unfinished \d+.*raise --max-tokens"

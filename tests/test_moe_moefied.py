@@ -206,6 +206,7 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
         assert not (tmp_path / "never").exists()  # nothing half-written
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("m2r2-bench") is None, reason="package not installed (pip install -e .)")
 def test_bench_unknown_profile_is_one_line():
     r = subprocess.run(

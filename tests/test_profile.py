@@ -78,6 +78,7 @@ def test_bandwidth_probe_is_positive_and_steady():
     assert max(runs) / min(runs) <= 1.2, runs
 
 
+@pytest.mark.slow
 def test_moe_within_a_budget_profiles_its_expert_work(moe_folder, tmp_path, monkeypatch):
     """On a tiny MoE at 25% of its experts: the same tokens, expert loads and stalls per token, a trace that nests,
     and the model's own classes back afterwards."""

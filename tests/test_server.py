@@ -299,6 +299,7 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_server_mode_without_adapters_fails_before_any_download(tmp_path):
     r = subprocess.run(

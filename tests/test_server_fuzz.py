@@ -101,7 +101,9 @@ def _defaults() -> DecodingOptions:
 JSON_TOOLS = ToolFormat("<tool_call>", "</tool_call>", json_tools.parse_tool_call)  # Qwen's and Hermes' calls
 
 
-@pytest.mark.parametrize("tool_format", [None, JSON_TOOLS], ids=["no-tools", "json-tools"])
+@pytest.mark.parametrize(
+    "tool_format", [None, pytest.param(JSON_TOOLS, marks=pytest.mark.slow)], ids=["no-tools", "json-tools"]
+)
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(kind=KINDS, body=BODIES)
 def test_the_parser_answers_a_request_or_a_4xx_in_openais_shape(tool_format, kind, body):

@@ -175,6 +175,7 @@ def test_loopback_hosts():
     assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("::")
 
 
+@pytest.mark.slow
 def test_an_empty_key_is_refused_in_one_line():
     r = subprocess.run(
         [sys.executable, "-m", "m2r2_server.cli", "--api-key", " "],

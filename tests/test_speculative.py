@@ -28,8 +28,12 @@ def tiny_m2r2(lm):
     return m
 
 
-@pytest.mark.parametrize("gate_index", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("max_draft", [1, 3, pytest.param(7, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "gate_index", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize(
+    "max_draft", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)]
+)
 def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
     model, tok = tiny_m2r2.base, lm.tokenizer
     for prompt in _prompts(6, seed=gate_index * 10 + max_draft):
@@ -45,6 +49,7 @@ def test_greedy_identical_on_many_prompts(lm, tiny_m2r2, gate_index, max_draft):
         assert all(e.exit_layer == tiny_m2r2.config.gates[gate_index] for e in spec if e.drafted)
 
 
+@pytest.mark.slow
 def test_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
     model = tiny_m2r2.base
     checked = 0

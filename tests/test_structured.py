@@ -42,27 +42,40 @@ def _answer(lm, decoder, prompt, generation):
     return events, text
 
 
+class Decoders(dict):
+    """Each mode's decoder, built when first asked for (a quick run builds only the ones its tests use)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def __missing__(self, mode: str):
+        self[mode] = make_decoder(self.lm, mode)
+        return self[mode]
+
+
 @pytest.fixture(scope="module")
 def decoders(lm):
-    return {mode: make_decoder(lm, mode) for mode in ("plain", "lookup", "speculative", "early-exit")}
+    return Decoders(lm)
 
 
-def test_lossless_modes_give_plains_constrained_tokens_and_logprobs(lm, decoders):
+@pytest.mark.parametrize("mode", ["lookup", pytest.param("speculative", marks=pytest.mark.slow)])
+def test_lossless_modes_give_plains_constrained_tokens_and_logprobs(lm, decoders, mode):
     generation = GenerationConfig(80, grammar=json_schema_grammar(PERSON), logprobs=3)
     prompt = _prompt(lm, PASSAGE)
     plain, text = _answer(lm, decoders["plain"], prompt, generation)
     jsonschema.validate(json.loads(text), PERSON)
     assert plain[-1].finish_reason == "stop"
-    for mode in ("lookup", "speculative"):
-        events, _ = _answer(lm, decoders[mode], prompt, generation)
-        assert [e.token for e in events] == [e.token for e in plain], mode
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(events, plain)) < 1e-3
-        assert [t for t, _ in events[5].top_logprobs] == [t for t, _ in plain[5].top_logprobs]
-        drafted = [e for e in events if e.drafted]
-        assert any(e.source == "grammar" for e in drafted), mode  # keys and separators drafted for free
-        assert len(events) / (len(events) - len(drafted)) > 1.5, mode
+    events, _ = _answer(lm, decoders[mode], prompt, generation)
+    assert [e.token for e in events] == [e.token for e in plain]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(events, plain)) < 1e-3
+    assert [t for t, _ in events[5].top_logprobs] == [t for t, _ in plain[5].top_logprobs]
+    drafted = [e for e in events if e.drafted]
+    assert any(e.source == "grammar" for e in drafted)  # keys and separators drafted for free
+    assert len(events) / (len(events) - len(drafted)) > 1.5
 
 
+@pytest.mark.slow
 def test_early_exit_follows_the_grammar(lm, decoders):
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "adult": {"type": "boolean"}}}
     schema |= {"required": ["city", "adult"], "additionalProperties": False}

@@ -160,6 +160,7 @@ def test_bad_speculative_options_are_one_line(lm, options, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_greedy_exact_under_a_repetition_penalty(lm, tiny_m2r2):
     """The penalty reads each position's own history: the verifier must see the sequence up to the node, not the
     cache as the tree forward left it."""
