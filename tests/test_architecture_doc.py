@@ -31,6 +31,7 @@ MODULES = [
     "m2r2_mlx.decoding.stops",
     "m2r2_mlx.decoding.generate",
     "m2r2_mlx.decoding.early_exit",
+    "m2r2_mlx.decoding.grammar",
     "m2r2_mlx.estimates",
     "m2r2_mlx.models.registry",
     "m2r2_mlx.core.fast_stream",
