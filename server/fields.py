@@ -33,7 +33,7 @@ def parse_tool_calls(calls, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise RequestError(
                     f"{where}[{j}].function.arguments must be a JSON object as a string", f"{where}[{j}].function"
                 ) from None
@@ -48,7 +48,7 @@ def parse_tools(body: dict, fmt: ToolFormat | None) -> tuple[list[dict] | None, 
     """The request's tools (None without any, or with tool_choice "none") and, where a call is required, the name
     it must call ("" for any tool)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if not tools:
+    if not tools or choice == "none":  # "none": the model answers without them, as if none were offered
         if choice not in (None, "none"):
             raise RequestError("'tool_choice' needs 'tools', the functions the model may call", "tool_choice")
         return None, None
@@ -73,8 +73,6 @@ def parse_tools(body: dict, fmt: ToolFormat | None) -> tuple[list[dict] | None, 
         )
     if choice is None or choice == "auto":
         return tools, None
-    if choice == "none":
-        return None, None
     if choice == "required":
         name = ""
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
@@ -124,14 +122,18 @@ def parse_logprobs(body: dict, kind: str) -> int | None:
     top = MAX_TOP_LOGPROBS[kind]
     if kind == "text":  # the legacy API: "logprobs" is the number of top tokens
         n = body.get("logprobs")
-        if n is None:
+        if n is None or n is False:
             return None
         if not (_is_int(n) and 0 <= n <= top):
             raise RequestError(f"'logprobs' must be an integer from 0 to {top} on /v1/completions", "logprobs")
         return n
     want, n = body.get("logprobs"), body.get("top_logprobs")
+    if want == 0 and not isinstance(want, float):  # false, or 0 as some clients send it: no log-probabilities
+        want = False
     if want is not None and not isinstance(want, bool):
         raise RequestError("'logprobs' must be true or false", "logprobs")
+    if n == 0 and not want:  # asks for nothing
+        n = None
     if n is not None:
         if not (_is_int(n) and 0 <= n <= top):
             raise RequestError(f"'top_logprobs' must be an integer from 0 to {top}", "top_logprobs")

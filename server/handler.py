@@ -78,6 +78,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- writing ------------------------------------------------------------------------------------
     def _headers(self, status: int, content_type: str, length: int | None = None, extra: dict | None = None):
+        self.answering = True
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Access-Control-Allow-Origin", "*")
@@ -196,6 +197,7 @@ class Handler(BaseHTTPRequestHandler):
             log.error("parsing a request to %s failed:\n%s", path, traceback.format_exc())
             self._error(RequestError(f"internal error ({type(e).__name__}: {e})", status=500, kind="server_error"))
             return
+        self.answering = False  # set once the response's headers are out
         try:
             first = self._next(job)
             if isinstance(first, Failed):
@@ -211,6 +213,12 @@ class Handler(BaseHTTPRequestHandler):
                 log.info(
                     "request %s: %s hung up before its answer was written%s", request.id, self.address_string(), why
                 )
+        except Exception as e:  # a bug in writing the answer: logged; a 500 if nothing was written yet
+            log.error("answering request %s failed:\n%s", request.id, traceback.format_exc())
+            self.close_connection = True
+            job.cancel()
+            if not self.answering:
+                self._error(RequestError(f"internal error ({type(e).__name__}: {e})", status=500, kind="server_error"))
 
     def _body(self):
         try:
@@ -259,7 +267,8 @@ class Handler(BaseHTTPRequestHandler):
         splitter = ToolCallSplitter(self.server.tool_format)
         content = splitter.feed(text) + splitter.close()
         calls, unparsed = format_calls(self.server.tool_format, splitter.calls, req.tools, streaming=False)
-        return content + unparsed, calls
+        content += unparsed
+        return ("" if calls and not content.strip() else content), calls
 
     def _stream(self, job: Job, item) -> None:
         req, model = job.request, self.server.model_name
@@ -281,7 +290,7 @@ class Handler(BaseHTTPRequestHandler):
         if splitter is not None:
             rest = splitter.close()
             calls, unparsed = format_calls(self.server.tool_format, splitter.calls, req.tools, streaming=True)
-            if rest + unparsed:
+            if (rest + unparsed).strip() or (rest + unparsed and not calls):
                 self._event(chunk(req, model, rest + unparsed))
             if calls:
                 self._event(chunk(req, model, None, tool_calls=calls))

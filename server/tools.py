@@ -107,17 +107,20 @@ def format_calls(fmt: ToolFormat, raw: list[str], tools: list[dict], streaming: 
     for text in raw:
         try:
             parsed = fmt.parse(text, tools)
+            parsed = parsed if isinstance(parsed, list) else [parsed]
+            if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed):
+                raise ValueError("not a call: an object with a name")
         except Exception as e:  # each parser raises its own kinds
             log.info("a tool call did not parse (%s: %s); it is returned as content", type(e).__name__, e)
             unparsed += fmt.start + text + fmt.end
             continue
-        for call in parsed if isinstance(parsed, list) else [parsed]:
+        for call in parsed:
             arguments = call.get("arguments", {})
             out = {
                 "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
                 "function": {
-                    "name": call.get("name", ""),
+                    "name": call["name"],
                     "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
                 },
             }

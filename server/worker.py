@@ -58,8 +58,8 @@ class TokenBytes:
     """Log-probability entries in OpenAI's shape: each token's text and exact bytes (a token may hold part of a
     character)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = ll_tokenizer(tokenizer, None)
+    def __init__(self, tokenizer, vocab_size: int | None):
+        self.tokenizer = ll_tokenizer(tokenizer, vocab_size)  # the one a grammar uses: built once
 
     def _token(self, token: int, logprob: float) -> dict:
         raw = self.tokenizer.decode_bytes([token])
@@ -220,7 +220,7 @@ class ModelWorker:
         decode = self.decoder(req.options.decode)
         stats, finish = AnswerStats(), None
         stream = self.session.answer(prompt, req.options.generation, decode)
-        token_bytes = TokenBytes(self.lm.tokenizer) if req.logprobs else None
+        token_bytes = TokenBytes(self.lm.tokenizer, self.lm.config.get("vocab_size")) if req.logprobs else None
         try:
             for ev in stream:
                 stats.add(ev)

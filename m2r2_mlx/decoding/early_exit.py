@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .config import GenerationConfig
 from .events import TokenEvent
@@ -141,8 +142,9 @@ class EarlyExit:
         """After a forward that stopped at ``layer``: every token in the chunk is pending from there."""
         self.pending += [(layer, h[:, i : i + 1]) for i in range(h.shape[1])]  # after those that have not joined yet
 
-    def step(self, token: int, index: int) -> tuple[mx.array, int]:
-        """Logits for the token after ``token`` and the layer count that produced them."""
+    def step(self, token: int, index: int, allowed: np.ndarray | None = None) -> tuple[mx.array, int]:
+        """Logits for the token after ``token`` and the layer count that produced them. ``allowed``: the tokens a
+        grammar allows next; a gate whose trimmed exit head scores none of them does not exit there."""
         self.cache.record(token)
         h = self.parts.embed(mx.array([[token]]))
         forced = self.schedule(index) if self.schedule else None
@@ -168,9 +170,12 @@ class EarlyExit:
             subset = self.exit_head is not None
             logits = (self.exit_head if subset else self.parts.head)(h_exit)[0, -1]
             if self.schedule or self.rule(logits, h_exit, j, trail) >= self.taus[j]:
+                full = self.exit_head.full(logits) if subset else logits
+                if subset and allowed is not None and not mx.any(mx.array(allowed) & (full > -mx.inf)).item():
+                    continue
                 self._settle(h, pos)
                 self.h_prev = h_exit
-                return (self.exit_head.full(logits) if subset else logits), stop
+                return full, stop
         h = self._slow(h, pos, self.L)
         self.h_prev = h[:, -1:]
         return self.parts.head(h[:, -1:])[0, -1], self.L
@@ -217,7 +222,8 @@ def early_exit_generate(
             if ev.finish_reason:
                 return
             sample.feed(mx.array([y]))
-            logits, exit_layer = walker.step(y, events.n)
+            allowed = None if sample.constraint is None else sample.constraint.at(sample.sequence).allowed()
+            logits, exit_layer = walker.step(y, events.n, allowed)
     finally:  # also on cancel: leave the cache as the full model's
         walker.flush()
 

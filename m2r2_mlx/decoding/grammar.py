@@ -105,6 +105,8 @@ class Constraint:
 
     def allowed(self) -> np.ndarray:
         """Booleans over the vocabulary: the tokens the grammar allows next (the end-of-sequence where complete)."""
+        if self.matcher.is_error():  # a resource limit hit: its mask would allow only the end, silently
+            raise M2R2Error(f"the grammar could not go on: {' '.join(self.matcher.get_error().split())[:300]}")
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         return bits[: self.vocab_size].astype(bool)
 

@@ -98,8 +98,9 @@ class NextToken:
         logits = logits[None]
         for process in self.processors:
             logits = process(self.history, logits)
-        self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return self.sampler(self.logprobs)[0]
+        # what is reported: in float32, as verification computes it (evaluated only where it is read)
+        self.logprobs = processed_logprobs(logits, Sampling())
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
 
 
 def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:

@@ -155,6 +155,8 @@ class Speculator:
 
         def step(token: mx.array) -> tuple[mx.array, mx.array | None]:  # feed ``token`` (shape (1,)); the next one
             logits = cache.forward(token)[-1]
+            if constraint is not None:  # the forward runs while the grammar reads the token
+                mx.async_eval(logits)
             sample.feed(token)
             token = sample(logits)
             mx.async_eval(token, sample.logprobs if rows else None)
