@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -10,10 +11,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..atomic import atomic_folder, refuse_existing
+from ..checksums import RECORD
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts, SubsetHead, config_hash
 from ..models.registry import variant_note
-from .config import ADAPTERS_FILE, M2R2Config, even_gates
+from .config import ADAPTERS_FILE, CONFIG_FILE, M2R2Config, even_gates
 from .draft_vocab import load_draft_vocab
 from .fast_stream import ContextFeature, M2R2Model
 from .integrity import record_hashes, verify_adapters
@@ -94,14 +96,24 @@ def add_context_feature(m2r2: M2R2Model) -> M2R2Model:
     return m2r2
 
 
-def save_adapters(m2r2: M2R2Model, folder: str | Path, overwrite: bool = False, keep: tuple[str, ...] = ()) -> Path:
-    """Write the folder atomically; ``keep`` names files of an existing folder to carry over (a data cache)."""
+def save_adapters(
+    m2r2: M2R2Model,
+    folder: str | Path,
+    overwrite: bool = False,
+    keep: tuple[str, ...] = (),
+    carry_from: Path | None = None,
+) -> Path:
+    """Write the folder atomically; ``keep`` names files of an existing folder to carry over (a data cache);
+    ``carry_from``: another adapters folder whose other files (an exit vocabulary) the new one keeps."""
     folder = Path(folder)
     refuse_existing(folder, overwrite)
     with atomic_folder(folder, keep=keep) as tmp:
         mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
         m2r2.config.save(tmp)
-    record_hashes(folder)  # after the rename: the files ``keep`` carried over are recorded too
+        for other in sorted(Path(carry_from).iterdir()) if carry_from is not None else ():
+            if other.is_file() and other.name not in (ADAPTERS_FILE, CONFIG_FILE, RECORD):
+                shutil.copy(other, tmp / other.name)
+    record_hashes(folder)  # after the rename: the files carried over are recorded too
     return folder
 
 

@@ -7,20 +7,15 @@ The folder is an ordinary M2R2 adapters folder (``--adapters`` reads it; the exp
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
-from ..atomic import atomic_folder, refuse_existing
-from ..checksums import RECORD
-from ..core.adapters import load_adapters, new_m2r2
-from ..core.config import ADAPTERS_FILE, CONFIG_FILE, even_gates
-from ..core.integrity import record_hashes
+from ..atomic import refuse_existing
+from ..core.adapters import load_adapters, new_m2r2, save_adapters
+from ..core.config import even_gates
 from ..errors import M2R2Error
 from ..training.data import pack_rows, read_text_files
 from .router_target import RouterTarget, RouterTargetConfig
@@ -105,11 +100,5 @@ def train_router_adapters(lm, spec: RouterAdaptersSpec, progress: bool = True) -
         "train_s": time.perf_counter() - start,
     }
     m2r2.config.extra = {**m2r2.config.extra, "router_target": record}
-    with atomic_folder(spec.out) as tmp:
-        mx.save_safetensors(str(tmp / ADAPTERS_FILE), dict(tree_flatten(m2r2.parameters())), metadata={"format": "mlx"})
-        m2r2.config.save(tmp)
-        for other in sorted(spec.init.iterdir()) if spec.init is not None else ():
-            if other.is_file() and other.name not in (ADAPTERS_FILE, CONFIG_FILE, RECORD):  # the exit vocabulary
-                shutil.copy(other, tmp / other.name)
-    record_hashes(spec.out)  # the new weights and the carried files, recorded together
+    save_adapters(m2r2, spec.out, overwrite=True, carry_from=spec.init)  # spec.check refused an unforced overwrite
     return record
