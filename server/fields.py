@@ -4,6 +4,7 @@ output (response_format) and tools (the functions offered, the calls already mad
 from __future__ import annotations
 
 import json
+import math
 
 from m2r2_mlx.decoding.config import MAX_TOP_LOGPROBS as MAX_CHAT
 from m2r2_mlx.decoding.grammar import json_object_grammar, json_schema_grammar
@@ -16,8 +17,12 @@ MAX_TOP_LOGPROBS = {"chat": MAX_CHAT, "text": 5}  # top_logprobs (chat), logprob
 TOOL_CHOICES = ("none", "auto", "required")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_a(value, kind: type) -> bool:
+    if kind is float:  # JSON's 1e999 parses as infinity, and Python's json reads NaN: neither is a setting
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def parse_tool_calls(calls, where: str) -> list[dict]:
@@ -124,7 +129,7 @@ def parse_logprobs(body: dict, kind: str) -> int | None:
         n = body.get("logprobs")
         if n is None or n is False:
             return None
-        if not (_is_int(n) and 0 <= n <= top):
+        if not (is_a(n, int) and 0 <= n <= top):
             raise RequestError(f"'logprobs' must be an integer from 0 to {top} on /v1/completions", "logprobs")
         return n
     want, n = body.get("logprobs"), body.get("top_logprobs")
@@ -135,7 +140,7 @@ def parse_logprobs(body: dict, kind: str) -> int | None:
     if n == 0 and not want:  # asks for nothing
         n = None
     if n is not None:
-        if not (_is_int(n) and 0 <= n <= top):
+        if not (is_a(n, int) and 0 <= n <= top):
             raise RequestError(f"'top_logprobs' must be an integer from 0 to {top}", "top_logprobs")
         if not want:
             raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")

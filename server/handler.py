@@ -26,7 +26,7 @@ from .protocol import (
     usage,
     usage_chunk,
 )
-from .tools import ToolCallSplitter, ToolFormat, format_calls
+from .tools import ToolCallSplitter, ToolFormat
 from .worker import Failed, Job, ModelWorker, Piece
 
 log = logging.getLogger("m2r2-server")
@@ -265,9 +265,9 @@ class Handler(BaseHTTPRequestHandler):
     def _tool_calls(self, req, text: str) -> tuple[str, list[dict]]:
         """The answer's content and its tool calls."""
         splitter = ToolCallSplitter(self.server.tool_format)
-        content = splitter.feed(text) + splitter.close()
-        calls, unparsed = format_calls(self.server.tool_format, splitter.calls, req.tools, streaming=False)
-        content += unparsed
+        content = splitter.feed(text)
+        rest, calls = splitter.finish(req.tools, streaming=False)
+        content += rest
         return ("" if calls and not content.strip() else content), calls
 
     def _stream(self, job: Job, item) -> None:
@@ -288,10 +288,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         finish = item.finish_reason
         if splitter is not None:
-            rest = splitter.close()
-            calls, unparsed = format_calls(self.server.tool_format, splitter.calls, req.tools, streaming=True)
-            if (rest + unparsed).strip() or (rest + unparsed and not calls):
-                self._event(chunk(req, model, rest + unparsed))
+            rest, calls = splitter.finish(req.tools, streaming=True)
+            if rest:
+                self._event(chunk(req, model, rest))
             if calls:
                 self._event(chunk(req, model, None, tool_calls=calls))
                 finish = "tool_calls" if finish == "stop" else finish

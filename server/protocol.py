@@ -3,7 +3,6 @@ field), stop strings, and the completion, chunk, usage and error objects."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -13,7 +12,7 @@ from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 
 from .errors import RequestError
-from .fields import parse_logprobs, parse_response_format, parse_tool_calls, parse_tools
+from .fields import is_a, parse_logprobs, parse_response_format, parse_tool_calls, parse_tools
 from .tools import ToolFormat
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -49,14 +48,6 @@ class Request:
     @property
     def logprobs(self) -> bool:
         return self.options.generation.logprobs is not None
-
-
-def _is(value, kind: type) -> bool:
-    if kind is float:  # JSON's 1e999 parses as infinity, and Python's json reads NaN: neither is a setting
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
 
 
 _TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
@@ -117,7 +108,7 @@ def _prompt(body: dict) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return _utf8(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(_is(t, int) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_a(t, int) and t >= 0 for t in prompt):
         return prompt
     raise RequestError("'prompt' must be a non-empty string, or a list of token ids (one prompt per request)", "prompt")
 
@@ -140,7 +131,7 @@ def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
         if not given:
             continue
         name, value = given[0], body[given[0]]
-        if not _is(value, o.type):
+        if not is_a(value, o.type):
             raise RequestError(f"'{name}' must be {_TYPE_NAMES[o.type]}", name)
         values[o.dest] = o.type(value)
     for o in OPTIONS:  # range checks, naming the field

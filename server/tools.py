@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from m2r2_mlx.decoding.grammar import JSON_FORMAT, check_grammar
+from m2r2_mlx.decoding.stops import held_back
 
 log = logging.getLogger("m2r2-server")
 JSON_PARSER = (
@@ -73,7 +74,7 @@ class ToolCallSplitter:
             if not self.inside:
                 at = self.held.find(self.fmt.start)
                 if at < 0:
-                    keep = _partial_suffix(self.held, self.fmt.start)
+                    keep = held_back(self.held, [self.fmt.start])
                     out, self.held = out + self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
                     return out
                 out, self.held, self.inside = out + self.held[:at], self.held[at + len(self.fmt.start) :], True
@@ -91,13 +92,13 @@ class ToolCallSplitter:
             return ""
         return rest
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+    def finish(self, tools: list[dict], streaming: bool) -> tuple[str, list[dict]]:
+        """At the end of the answer: the content still to send (what was held, and any call that did not parse)
+        and the tool calls in OpenAI's shape; whitespace left beside calls is no content."""
+        rest = self.close()
+        calls, unparsed = format_calls(self.fmt, self.calls, tools, streaming)
+        rest += unparsed
+        return ("" if calls and not rest.strip() else rest), calls
 
 
 def format_calls(fmt: ToolFormat, raw: list[str], tools: list[dict], streaming: bool) -> tuple[list[dict], str]:

@@ -34,6 +34,13 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+REPEAT = {  # a request whose answer copies: lookup and the fast stream draft it
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "Repeat twice: the primary colors are red, yellow and blue."}],
+    "max_tokens": 30,
+    "logprobs": True,
+    "top_logprobs": 4,
+}
 BOOK = {
     "type": "object",
     "properties": {"title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"}},
@@ -75,14 +82,7 @@ def _streamed(stream) -> tuple[str, list, list, str]:
 def test_logprobs_streamed_and_not_and_the_same_in_every_lossless_mode(server):
     client, answers = _client(server), {}
     for mode in ("plain", "speculative", "lookup"):
-        r = client.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": "Repeat twice: the primary colors are red, yellow and blue."}],
-            max_tokens=30,
-            logprobs=True,
-            top_logprobs=4,
-            extra_body={"mode": mode},
-        )
+        r = client.chat.completions.create(**REPEAT, extra_body={"mode": mode})
         content = r.choices[0].logprobs.content
         assert len(content) == r.usage.completion_tokens and "".join(e.token for e in content).startswith(
             r.choices[0].message.content[:10]
@@ -92,14 +92,7 @@ def test_logprobs_streamed_and_not_and_the_same_in_every_lossless_mode(server):
     for mode in ("speculative", "lookup"):
         assert [e.token for e in answers[mode]] == [e.token for e in answers["plain"]]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(answers[mode], answers["plain"])) < 1e-3
-    stream = client.chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Repeat twice: the primary colors are red, yellow and blue."}],
-        max_tokens=30,
-        logprobs=True,
-        top_logprobs=4,
-        stream=True,
-    )
+    stream = client.chat.completions.create(**REPEAT, stream=True)
     _, streamed, _, _ = _streamed(stream)
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in answers["plain"]], abs=1e-3)
     r = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5, logprobs=2)

@@ -213,7 +213,9 @@ def early_exit_generate(
     try:
         while True:
             y = int(sample(logits).item())  # the exit layer's logits, under the grammar where there is one
-            ev = events.event(y, exit_layer=exit_layer, logprobs=sample.logprobs)
+            ev = events.event(
+                y, exit_layer=exit_layer, logprobs=sample.logprobs if events.logprobs is not None else None
+            )
             if ev.finish_reason:
                 walker.flush()  # the cache becomes the full model's before the answer ends
             ev.layer_passes, ev.token_layers = walker.layer_passes - passes, walker.token_layers - token_layers

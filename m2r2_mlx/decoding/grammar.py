@@ -84,6 +84,7 @@ class Constraint:
             raise M2R2Error(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.vocab_size, self.start = vocab_size, start
         self.tokens: list[int] = []  # the answer's tokens the matcher has consumed
+        self._allowed: np.ndarray | None = None  # the mask after them, once computed
 
     def at(self, sequence: Sequence[int]) -> "Constraint":
         """Move the matcher to just after ``sequence`` (prompt and answer so far)."""
@@ -94,6 +95,7 @@ class Constraint:
         if same < len(self.tokens):
             self.matcher.rollback(len(self.tokens) - same)
             del self.tokens[same:]
+            self._allowed = None
         for t in answer[same:]:
             self.consume(t)
         return self
@@ -102,18 +104,21 @@ class Constraint:
         if not self.matcher.consume_token(int(token)):
             raise M2R2Error(f"the grammar refused token {token}: {self.matcher.get_error()}")
         self.tokens.append(int(token))
+        self._allowed = None
 
     def allowed(self) -> np.ndarray:
-        """Booleans over the vocabulary: the tokens the grammar allows next (the end-of-sequence where complete)."""
-        if self.matcher.is_error():  # a resource limit hit: its mask would allow only the end, silently
-            raise M2R2Error(f"the grammar could not go on: {' '.join(self.matcher.get_error().split())[:300]}")
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return bits[: self.vocab_size].astype(bool)
+        """Booleans over the vocabulary: the tokens the grammar allows next (the end-of-sequence where complete),
+        computed once per position."""
+        if self._allowed is None:
+            if self.matcher.is_error():  # a resource limit hit: its mask would allow only the end, silently
+                raise M2R2Error(f"the grammar could not go on: {' '.join(self.matcher.get_error().split())[:300]}")
+            bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            self._allowed = bits[: self.vocab_size].astype(bool)
+        return self._allowed
 
-    def mask(self, logits: mx.array, allowed: np.ndarray | None = None) -> mx.array:
+    def mask(self, logits: mx.array) -> mx.array:
         """``logits`` (last axis the vocabulary) with every token the grammar forbids next at -inf."""
-        allowed = self.allowed() if allowed is None else allowed
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return mx.where(mx.array(self.allowed()), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def forced(self, limit: int) -> list[int]:
         """The tokens of the text the grammar forces next, lexeme after lexeme (up to ``limit`` tokens). The last

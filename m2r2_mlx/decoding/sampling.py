@@ -74,15 +74,15 @@ class Sampling:
 class NextToken:
     """Plain decoding's next token, lazily (nothing is evaluated): the grammar's mask (``constraint``), mlx-lm's
     logits processors over the sequence so far (only its last ``repetition_context_size`` tokens, all they read),
-    then mlx-lm's sampler. ``logprobs`` holds the last call's log-probabilities (what was sampled from, before the
-    sampler's temperature and filters)."""
+    then mlx-lm's sampler. ``logprobs``: the last call's log-probabilities (what was sampled from, before the
+    sampler's temperature and filters), built only when asked for."""
 
     def __init__(self, s: Sampling, history: Sequence[int], constraint: Constraint | None = None):
         self.sampler, self.processors, self.size = s.sampler(), s.processors(), s.repetition_context_size
         self.history = mx.array(list(history)[-self.size :], mx.int32) if self.processors else None
         self.constraint = constraint
         self.sequence = list(history) if constraint is not None else None  # what the grammar reads
-        self.logprobs: mx.array | None = None
+        self.processed: mx.array | None = None  # the last call's logits after the mask and the processors
 
     def feed(self, token: mx.array) -> None:
         """``token`` (shape (1,)) joins the sequence; with a grammar it is read (the next mask depends on it)."""
@@ -98,9 +98,13 @@ class NextToken:
         logits = logits[None]
         for process in self.processors:
             logits = process(self.history, logits)
-        # what is reported: in float32, as verification computes it (evaluated only where it is read)
-        self.logprobs = processed_logprobs(logits, Sampling())
+        self.processed = logits
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+
+    @property
+    def logprobs(self) -> mx.array:
+        """The last call's log-probabilities, as reported: in float32, as verification computes them."""
+        return processed_logprobs(self.processed, Sampling())
 
 
 def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:

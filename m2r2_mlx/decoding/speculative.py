@@ -73,7 +73,7 @@ class Speculator:
             self.model, self.tokenizer, list(prompt), cache, generation, self.context_length, keep_states
         )
         constraint, rows = sample.constraint, events.logprobs is not None
-        ev = events.event(int(sample(logits).item()), logprobs=sample.logprobs)
+        ev = events.event(int(sample(logits).item()), logprobs=sample.logprobs if rows else None)
         yield ev
         while not ev.finish_reason:
             y, tic = ev.token, time.perf_counter()
@@ -159,8 +159,9 @@ class Speculator:
                 mx.async_eval(logits)
             sample.feed(token)
             token = sample(logits)
-            mx.async_eval(token, sample.logprobs if rows else None)
-            return token, sample.logprobs if rows else None
+            lp = sample.logprobs if rows else None
+            mx.async_eval(token, lp)
+            return token, lp
 
         (y, lp), tic, leave = step(mx.array([y])), None, False
         while True:

@@ -8,6 +8,11 @@ from typing import Iterator, Sequence
 from .events import TokenEvent
 
 
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``markers`` (and might grow into it)."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
 class StopMatcher:
     """Cuts the answer at the first stop string. Text that could be the start of one is held back until the
     next pieces decide."""
@@ -26,7 +31,7 @@ class StopMatcher:
         if hits:
             self.stopped, self.pending = True, ""
             return text[: min(hits)]
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        hold = held_back(text, self.stops)
         self.pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
 
