@@ -17,6 +17,7 @@ from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
 from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
+from m2r2_mlx.decoding.tree import Verified
 
 import mlx.core as mx
 import numpy as np
@@ -89,12 +90,12 @@ def tv_bound(p: np.ndarray) -> float:
     return 1.6 * 0.5 * np.sqrt(2 * p * (1 - p) / (np.pi * N)).sum()
 
 
-def accept_every_draft(logits, tree, s, history=()):  # the bug the test must catch: no rejection step
+def accept_every_draft(logits, tree, s, history=(), constraint=None, logprobs=False):  # no rejection step
     path = [0]
     while tree.proposals[path[-1]]:
         path.append(tree.proposals[path[-1]][0][0])
     context = list(history) + [tree.tokens[i] for i in path]
-    return path, sample_from(sampling_probs(logits[path[-1]], s, context))
+    return Verified(path, sample_from(sampling_probs(logits[path[-1]], s, context)))
 
 
 CONFIGS = [
