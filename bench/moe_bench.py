@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +31,12 @@ import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
 from m2r2_mlx.core.adapters import load_adapters
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
-from m2r2_mlx.moe import CacheStats, ExpertStore, Link, offload_experts
+from m2r2_mlx.moe import CacheStats, ExpertStore, Link, Oracle, offload_experts
 from m2r2_mlx.moe.cache import resolve_slots
+from m2r2_mlx.moe.clock import Clock, WallClock
+from m2r2_mlx.moe.metering import metered
 from m2r2_mlx.moe.predictors import PREDICTORS
+from m2r2_mlx.moe.prefetch import DevicePrefetcher, Prefetcher
 from m2r2_mlx.moe.profiles import PROFILES, DeviceProfile, get_profile, link_for
 from m2r2_mlx.moe.serve import attach_predictor, store_folder
 
@@ -45,10 +48,20 @@ from tqdm.auto import tqdm
 from .moe_bench_build import COMMAND, DEFAULT_MODEL, BenchModelBuild, build_model, is_built
 from .moe_bench_report import write_report
 
+ORACLE_LOOKAHEAD = 4  # MoE layers the true-routes prefetch runs ahead (into the next token's first layers)
 # every registered predictor that needs no recorded run; on-demand loading is the "lru" row
 PREDICTED = tuple(name for name, e in PREDICTORS.items() if name != "none" and not e.needs_trace)
-METHODS = ("resident", "lru", *PREDICTED)
-LABELS = {"resident": "all resident", "lru": "on-demand LRU", **{name: PREDICTORS[name].label for name in PREDICTED}}
+# offline bounds from the true routes (recorded by the first cached row of the same prompts): they run last
+BOUNDS = ("belady", "oracle")
+METHODS = ("resident", "lru", *PREDICTED, *BOUNDS)
+LABELS = {
+    "resident": "all resident",
+    "lru": "on-demand LRU",
+    **{name: PREDICTORS[name].label for name in PREDICTED},
+    "belady": "bound: Belady eviction (true future), on demand",
+    "oracle": f"bound: true routes {ORACLE_LOOKAHEAD} layers ahead + Belady",
+}
+CLOCKS = ("device", "wall")
 
 
 @dataclass(frozen=True)
@@ -73,12 +86,17 @@ class MoEBenchConfig:
     regime_prompts: int = 3
     policy: str = "lru"
     m2r2_intervals: int | None = None  # M2R2: run the fast stream ahead in the first N gate intervals only
+    clocks: tuple[str, ...] = CLOCKS  # device: the profile's modelled clock (clock.py); wall: this machine's
     build: BenchModelBuild | None = None  # the benchmark model is missing: build it first (prompts come with it)
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise M2R2Error(f"unknown MoE method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
+        if not self.clocks or any(c not in CLOCKS for c in self.clocks):
+            raise M2R2Error(f"--clock takes {', '.join(CLOCKS)} or both, got {','.join(self.clocks) or 'nothing'}")
+        if any(m in BOUNDS for m in self.methods) and not any(m not in ("resident", *BOUNDS) for m in self.methods):
+            raise M2R2Error("the bound rows replay the routes a cached row records; add lru to --methods")
         if self.profile is not None and self.ratio is not None:
             raise M2R2Error("--profile and --ratio both set the link; pass one")
         if self.ratio is not None and not self.ratio > 0 or any(not r > 0 for r in self.regime_ratios):
@@ -100,6 +118,11 @@ class MoEBenchConfig:
     def link_ratio(self) -> float | None:
         """One expert's transfer time / one layer's compute time that sets the link (None: the link as given)."""
         return self.profile.ratio if self.profile is not None else self.ratio
+
+    @property
+    def device(self) -> DeviceProfile:
+        """The profile the device clock models (the cpu profile where none is given)."""
+        return self.profile or PROFILES["cpu"]
 
 
 def default_prompts(model: str) -> Path:
@@ -170,51 +193,98 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="M2R2: run the fast stream ahead in the first N gate intervals only (default: all)",
     )
+    p.add_argument(
+        "--clock",
+        default="both",
+        choices=["both", *CLOCKS],
+        help="device: each row decoded on the profile's modelled device clock (deterministic); wall: on this "
+        "machine's clock with the emulated link; both (default): each row twice, device first",
+    )
     p.add_argument("--out", type=Path, default=Path("docs"), help="folder for moe_bench.md/.json/.png")
     return p
 
 
-def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None) -> tuple[list[int], float]:
-    """Greedy tokens and the decode time (prefill excluded)."""
+def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None, clock: Clock = WallClock()) -> tuple[list[int], float]:
+    """Greedy tokens and the decode time on ``clock`` (prefill excluded)."""
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt[None].astype(np.int32)), cache=cache)
     tok = int(mx.argmax(logits[0, -1]).item())
     if on_prefilled:
         on_prefilled()
-    out, start = [tok], time.perf_counter()
+    out, start = [tok], clock.now()
     for _ in range(n - 1):
         logits = model(mx.array([[tok]]), cache=cache)
         tok = int(mx.argmax(logits[0, -1]).item())
+        if clock.modelled:
+            clock.sync()  # the token read back
         out.append(tok)
-    return out, time.perf_counter() - start
+    return out, clock.now() - start
 
 
-def setup(config: MoEBenchConfig, method: str, budget: float, store: ExpertStore, link: Link | None):
+def setup(config: MoEBenchConfig, method: str, budget: float, store: ExpertStore, link, clock: Clock, traces: list):
     """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor)."""
     lm = load_model(config.model, tokenizer=False)  # token ids in, token ids out
     if method == "resident":
         return lm.model, None, None
-    cache = offload_experts(lm.model, store, budget / 100, policy=config.policy, link=link)
+    cache = offload_experts(lm.model, store, budget / 100, policy=config.policy, link=link, clock=clock)
+    if method == "belady":
+        return lm.model, cache, attach_predictor(cache, "none")
+    if method == "oracle":
+        oracle = Oracle(traces[0], lookahead=ORACLE_LOOKAHEAD)
+        (DevicePrefetcher if clock.modelled else Prefetcher)(cache)
+        return lm.model, cache, oracle.attach(cache)
     name = "none" if method == "lru" else method
     m2r2 = load_adapters(lm, config.adapters) if PREDICTORS[name].needs_adapters else None
     return lm.model, cache, attach_predictor(cache, name, m2r2, config.m2r2_intervals)
 
 
-def measure(config: MoEBenchConfig, method: str, budget: float, store, link, prompts, reference: dict) -> dict:
-    """One row: decode tokens/s and the cache's counters over ``prompts``, tokens checked against ``reference``."""
-    model, cache, predictor = setup(config, method, budget, store, link)
+def measure(
+    config: MoEBenchConfig,
+    method: str,
+    budget: float,
+    store,
+    link,
+    prompts,
+    reference: dict,
+    traces: list,
+    clock="wall",
+) -> dict:
+    """One row: decode tokens/s and the cache's counters over ``prompts``, tokens checked against ``reference``.
+
+    ``clock``: "wall" (``link`` throttles by sleeping) or "device" (the config's device profile, modelled). The
+    first cached row records each prompt's routes into ``traces``; the bound rows replay them."""
+    device = config.device if clock == "device" else None
+    timer = device.clock() if device else WallClock()
+    if device:
+        link = device.device_link(timer, store.expert_weights(), store.expert_bytes())
+    model, cache, predictor = setup(config, method, budget, store, link, timer, traces)
+    record = cache is not None and not traces
+    with metered(timer, device.metering) if device else nullcontext():
+        return _decode_rows(config, method, budget, model, cache, predictor, prompts, reference, traces, record, timer)
+
+
+def _decode_rows(config, method, budget, model, cache, predictor, prompts, reference, traces, record, timer) -> dict:
     greedy(model, prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
     fast = predictor is not None and predictor.fast_layer_passes is not None
+    p_i = 0
 
     def measure_from_here():  # after each prompt's prefill: count decode steps only
         if cache:
             cache.reset()
+            if record:
+                cache.trace = {}
+            if method in BOUNDS:
+                cache.set_future(traces[p_i])
+            if method == "oracle":
+                predictor.trace = traces[p_i]
         if fast:
             predictor.fast_layer_passes = 0
 
     stats, passes, tokens, seconds, same = CacheStats(), 0, 0, [], True
     for p_i, prompt in enumerate(prompts):
-        out, dt = greedy(model, prompt, config.max_tokens, on_prefilled=measure_from_here)
+        out, dt = greedy(model, prompt, config.max_tokens, on_prefilled=measure_from_here, clock=timer)
+        if record:
+            traces.append(dict(cache.trace))
         if method == "resident":
             reference[p_i] = out
         same &= reference[p_i] == out
@@ -250,16 +320,35 @@ def measure(config: MoEBenchConfig, method: str, budget: float, store, link, pro
     return row
 
 
+DEVICE_KEYS = ("tokens_per_s", "stall_ms_per_token", "hit_rate", "loads_per_token", "mb_per_token", "decode_s")
+
+
+def measure_row(config: MoEBenchConfig, method: str, budget: float, store, link, prompts, reference, traces) -> dict:
+    """One method at one budget on each of the config's clocks: the device clock's figures as ``device_*`` (and
+    its counters where the wall clock does not run), the wall clock's under the plain names."""
+    rows = {c: measure(config, method, budget, store, link, prompts, reference, traces, c) for c in config.clocks}
+    row = dict(rows.get("wall") or {**rows["device"], "tokens_per_s": None, "stall_ms_per_token": None})
+    if "device" in rows:
+        row.update({f"device_{k}": rows["device"][k] for k in DEVICE_KEYS if k in rows["device"]})
+        row["same_as_resident"] = all(r["same_as_resident"] for r in rows.values())
+        for k in ("precision", "recall", "governor", "fast_layer_passes_per_token"):
+            if k in rows["device"]:
+                row[f"device_{k}"] = rows["device"][k]
+    return row
+
+
 def with_vs_lru(
     rows: list[dict], key: str = "budget", compute_ms: float | None = None, expert_ms: dict | None = None
 ) -> list[dict]:
-    """Speedup over LRU at the same budget (or ratio); on LRU rows, the overlap ceiling: LRU's loads hidden
-    behind compute in full, ``T_lru / max(compute, loads x one expert's transfer)``. With as many slots as
+    """Speedup over LRU at the same budget (or ratio), on each clock; on LRU rows, the overlap ceiling: LRU's loads
+    hidden behind compute in full, ``T_lru / max(compute, loads x one expert's transfer)``. With as many slots as
     experts per token every policy makes LRU's misses, so no predictor can pass it there."""
     for r in rows:
         lru = next((x for x in rows if x["method"] == "lru" and x[key] == r[key]), None)
-        r["vs_lru"] = r["tokens_per_s"] / lru["tokens_per_s"] if lru else None
-        if r["method"] == "lru" and compute_ms and expert_ms:
+        for speed, vs in (("tokens_per_s", "vs_lru"), ("device_tokens_per_s", "device_vs_lru")):
+            ok = lru and r.get(speed) and lru.get(speed)
+            r[vs] = r[speed] / lru[speed] if ok else None
+        if r["method"] == "lru" and compute_ms and expert_ms and r.get("tokens_per_s"):
             t = expert_ms[r[key]] if key == "ratio" else expert_ms[None]
             r["overlap_ceiling"] = (1e3 / r["tokens_per_s"]) / max(compute_ms, r["loads_per_token"] * t)
     return rows
@@ -293,20 +382,20 @@ def run(config: MoEBenchConfig) -> dict:
     prompts = [ids[i * stride : i * stride + span] for i in range(config.num_prompts)]
     store, num_layers = open_store(config)
 
-    reference: dict = {}
-    cached = [m for m in config.methods if m != "resident"]
-    bar = tqdm(
-        total=(1 + len(config.budgets) * len(cached)) * len(prompts) + len(config.regime_ratios) * len(cached),
-        desc="moe bench",
-        unit="run",
-    )
+    reference, traces = {}, []
+    plain = [m for m in config.methods if m not in ("resident", *BOUNDS)]
+    cached = plain + [m for m in BOUNDS if m in config.methods]  # the bounds replay routes a plain row recorded
+    runs = len(config.clocks) * (1 + len(config.budgets) * len(cached))
+    bar = tqdm(total=runs * len(prompts) + len(config.regime_ratios) * len(plain), desc="moe bench", unit="run")
     # all experts resident: the tokens every other row is checked against, and this machine's compute
-    resident = measure(config, "resident", 100.0, store, None, prompts, reference)
-    bar.update(len(prompts))
+    resident = measure_row(config, "resident", 100.0, store, None, prompts, reference, traces)
+    bar.update(len(config.clocks) * len(prompts))
     # one layer's compute on this machine: the all-resident decode step shared over the layers
-    layer_ms = 1e3 / resident["tokens_per_s"] / num_layers
+    layer_ms = 1e3 / (resident["tokens_per_s"] or resident["device_tokens_per_s"]) / num_layers
     ratio = config.link_ratio
-    if ratio is not None:
+    if config.profile is not None and ratio is None:  # the cpu profile: this machine, its link as stated
+        link = Link(config.profile.link_gbps, config.profile.latency_ms)
+    elif ratio is not None:
         link = link_for(ratio, store.expert_bytes(), layer_ms)
     else:
         link = Link(config.link_gbps or None, config.latency_ms if config.link_gbps else 0.0)
@@ -314,21 +403,24 @@ def run(config: MoEBenchConfig) -> dict:
     for b in config.budgets:
         for m in cached:
             bar.set_postfix_str(f"{m} {b:g}%")
-            rows.append(measure(config, m, b, store, fresh(link), prompts, reference))
-            bar.update(len(prompts))
+            rows.append(measure_row(config, m, b, store, fresh(link), prompts, reference, traces))
+            bar.update(len(config.clocks) * len(prompts))
     regime = []
-    for r in config.regime_ratios:
-        for m in cached:
+    for r in config.regime_ratios:  # a transfer/compute ratio is the wall clock's emulation
+        for m in plain:
             bar.set_postfix_str(f"ratio {r:g} {m}")
             link_r = link_for(r, store.expert_bytes(), layer_ms)
-            row = measure(config, m, config.regime_budget, store, link_r, prompts[: config.regime_prompts], reference)
+            few = prompts[: config.regime_prompts]
+            row = measure(config, m, config.regime_budget, store, link_r, few, reference, traces, "wall")
             regime.append({**row, "ratio": r})
             bar.update()
     bar.close()
-    compute_ms = 1e3 / resident["tokens_per_s"]
+    compute_ms = 1e3 / resident["tokens_per_s"] if resident["tokens_per_s"] else None
     return {
         "model": str(config.model),
         "profile": config.profile.name if config.profile is not None else None,
+        "device_profile": config.device.name if "device" in config.clocks else None,
+        "clocks": list(config.clocks),
         "ratio": ratio,
         "layer_ms": layer_ms,
         "link_gbps": link.gb_per_s,
@@ -378,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
             regime_prompts=args.regime_prompts,
             policy=args.policy,
             m2r2_intervals=args.m2r2_intervals,
+            clocks=CLOCKS if args.clock == "both" else (args.clock,),
             build=BenchModelBuild() if Path(args.model) == DEFAULT_MODEL and not is_built(BenchModelBuild()) else None,
         )
         write_report(run(config), LABELS, args.out, cmd)

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_map
 from m2r2_bench.moe_bench import MoEBenchConfig, greedy, numbers
 from tests.tiny import tiny_model
 
+BOUNDS3 = ("lru", "belady", "oracle")
 PROMPT = np.array([3, 17, 42, 8, 99, 23, 5, 61, 12, 7])
 
 
@@ -110,10 +111,24 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     methods = {(row["method"], row["budget"]) for row in result["rows"]}
     assert methods == {("resident", 100.0)} | {
         (m, b)
-        for m in ("lru", "pregating", "pregating-planned", "m2r2", "m2r2-fused", "shuffled", "shuffled-planned")
+        for m in (
+            "lru",
+            "pregating",
+            "pregating-planned",
+            "m2r2",
+            "m2r2-fused",
+            "shuffled",
+            "shuffled-planned",
+            "belady",
+            "oracle",
+        )
         for b in (50.0, 25.0)
     }
     assert all(row["same_as_resident"] for row in result["rows"])
+    assert all(row["tokens_per_s"] > 0 and row["device_tokens_per_s"] > 0 for row in result["rows"])
+    lru, belady, oracle = ({r["method"]: r for r in result["rows"] if r["budget"] == 25.0}[m] for m in BOUNDS3)
+    assert belady["device_hit_rate"] >= lru["device_hit_rate"]  # the offline optimum on demand
+    assert oracle["device_stall_ms_per_token"] <= lru["device_stall_ms_per_token"]
     assert (out / "moe_bench.png").stat().st_size > 0 and "M2R2 ahead-of-time" in (
         out / "moe_bench_table.md"
     ).read_text()

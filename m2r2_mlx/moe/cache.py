@@ -13,16 +13,18 @@ buffers are copied into slots by the compute thread at the next ``ensure``.
 
 from __future__ import annotations
 
-import time
+from bisect import bisect_left
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
 
 from .budget import human, parse_budget, resolve_slots
+from .clock import Clock, WallClock
 from .link import Link
-from .policies import make_policy
+from .policies import Belady, make_policy
 from .stats import CacheStats
 from .store import ExpertStore
 
@@ -34,16 +36,26 @@ class ExpertCache:
     """Experts of every MoE layer in fixed slots within a byte budget; see the module docstring."""
 
     def __init__(
-        self, store: ExpertStore, budget: float | int | str = 1.0, *, policy: str = "lru", link: Link | None = None
+        self,
+        store: ExpertStore,
+        budget: float | int | str = 1.0,
+        *,
+        policy: str = "lru",
+        link: Link | None = None,
+        clock: Clock | None = None,
     ):
         self.store = store
         self.link = link or Link()
+        self.clock = clock or WallClock()  # what every time-dependent decision reads (clock.py)
         self.policy_name = policy
         self.layers: list[int] = store.layers
         self._ordinal = {l: i for i, l in enumerate(self.layers)}
         self.slots_per_layer = resolve_slots(budget, store)
         self.budget = budget
         self.policies = {l: make_policy(policy) for l in self.layers}
+        self._uses: dict[int, dict[int, list[int]]] | None = (
+            None  # the true future (set_future): layer -> expert -> steps
+        )
         self.slots: dict[int, dict[str, mx.array]] = {}  # layer -> parameter name -> (S, ...) tensor
         self._owner = {l: np.full(self.slots_per_layer[l], -1, np.int64) for l in self.layers}  # slot -> expert
         self._slot_of = {l: np.full(store.num_experts(l), -1, np.int32) for l in self.layers}  # expert -> slot
@@ -176,7 +188,7 @@ class ExpertCache:
             raise ValueError(
                 f"{len(needed)} experts asked for at once, layer {layer} has {self.slots_per_layer[layer]} slots"
             )
-        start = time.perf_counter()
+        start = self.clock.now()
         st = self.stats.layer(layer)
         self._protected = (layer, set(needed))
         try:
@@ -207,7 +219,7 @@ class ExpertCache:
             self._protected = (None, set())
         if self._dirty:
             self._flush()
-            self.stats.stall_s += time.perf_counter() - start
+            self.stats.stall_s += self.clock.now() - start
 
     @contextmanager
     def side_pass(self) -> Iterator[None]:
@@ -244,16 +256,21 @@ class ExpertCache:
         if self.prefetcher is not None:
             self.prefetcher.submit(step, layer, wanted)
             return
-        start = time.perf_counter()
+        start = self.clock.now()
         for e in wanted:
             self._land(layer, e, self.fetch(layer, e))
         self._flush()
-        self.stats.stall_s += time.perf_counter() - start
+        self.stats.stall_s += self.clock.now() - start
 
     def fetch(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """Read one expert over the link (verified bytes, numpy). Safe from any thread: no MLX here."""
         with self.link.transfer(self.store.expert_bytes(layer)):
             return self.store.read(layer, expert)
+
+    def host_sync(self) -> None:
+        """The forward pass read the router's choice back to the host (decide loads): a round trip on a device."""
+        if self.clock.modelled:
+            self.clock.sync()
 
     def add_listener(self, listener: Listener) -> None:
         """``listener(layer, x)`` runs before each MoE layer computes its experts (x: (tokens, D))."""
@@ -261,6 +278,31 @@ class ExpertCache:
 
     def remove_listener(self, listener: Listener) -> None:
         self.listeners.remove(listener)
+
+    # -- the true future (offline bounds) ----------------------------------------------------
+
+    def set_future(self, routes: dict[tuple[int, int], list[int]]) -> None:
+        """The routes this decode will take ((step, layer) -> experts, a recorded identical run's ``trace``), and
+        every layer evicting by Belady's rule on them (policies.Belady): the on-demand optimum, for measurements."""
+        uses: dict[int, dict[int, list[int]]] = {l: {} for l in self.layers}
+        for (step, layer), experts in sorted(routes.items()):
+            for e in experts:
+                uses[layer].setdefault(e, []).append(step)
+        self._uses = uses
+        for l in self.layers:
+            if not isinstance(self.policies[l], Belady):
+                self.policies[l] = Belady(partial(self.next_use, l))
+                for e in self.resident(l):
+                    self.policies[l].inserted(e)
+        self.policy_name = "belady"
+
+    def next_use(self, layer: int, expert: int) -> float:
+        """The first step at which ``layer`` uses ``expert`` after the forward pass's position (inf: never)."""
+        step, here = self.position
+        first = step if self._ordinal[layer] > here else step + 1  # a later layer of this step, or the next step
+        steps = self._uses[layer].get(expert, ())
+        i = bisect_left(steps, first)
+        return steps[i] if i < len(steps) else float("inf")
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -324,6 +366,8 @@ class ExpertCache:
             if victim in self._unused_prefetch[layer]:
                 self._unused_prefetch[layer].discard(victim)
                 self.stats.layer(layer).prefetch_wasted += 1
+        if self.clock.modelled:
+            self.link.land(self.store.expert_bytes(layer))
         slots = self.slots[layer]
         for name, a in self.store.to_mlx(layer, arrays).items():
             slots[name][slot] = a  # in place: the slot tensor keeps its shape and its buffer

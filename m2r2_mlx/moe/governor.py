@@ -23,7 +23,6 @@ Steps are windows between consecutive decode steps of one generation; one that h
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,7 +73,7 @@ class PredictorGovernor:
 
     def tick(self, cache: ExpertCache) -> None:
         """At each decode step's first MoE layer: measure the window that ends, decide the next."""
-        now, counters = time.perf_counter(), _counters(cache)
+        now, counters = cache.clock.now(), _counters(cache)
         if self.t_miss is None:
             self.t_miss = cache.link.min_seconds(max(cache.store.expert_bytes(l) for l in cache.layers))
         if self._mark is not None and cache.step == self._mark[1] + 1:

@@ -12,6 +12,7 @@ from mlx.utils import tree_unflatten
 from ..errors import M2R2Error
 from .blocks import expert_params, module_path, moe_blocks, router, router_scores
 from .cache import ExpertCache
+from .clock import Clock
 from .link import Link
 from .store import ExpertStore, mlx_dtype
 
@@ -38,10 +39,12 @@ class CachedSwitchGLU(nn.Module):
         if cache.fused_rows:  # a fast stream riding along as the last batch rows: routed to the slow rows' experts
             slow = x.shape[0] - cache.fused_rows
             ids = np.array(indices[:slow])
+            cache.host_sync()
             rounds = cache.begin_layer(layer, x[:slow].reshape(-1, d), ids.reshape(-1))
             cache.ensure(layer, rounds[0])  # decode steps only: one token's experts fit the slots
             return self.inner(x, cache.slot_map(layer)[indices])
         ids = np.array(indices)  # a sync point: which experts to load is known only once the router ran
+        cache.host_sync()
         rounds = cache.begin_layer(layer, x.reshape(-1, d), ids.reshape(-1))
         if len(rounds) == 1:
             cache.ensure(layer, rounds[0])
@@ -94,6 +97,7 @@ def offload_experts(
     *,
     policy: str = "lru",
     link: Link | None = None,
+    clock: Clock | None = None,
 ) -> ExpertCache:
     """Serve every MoE layer's experts from ``store`` through an ExpertCache within ``budget``.
 
@@ -112,7 +116,7 @@ def offload_experts(
         )
     for i, block in blocks:
         _check_matches(store, i, module_path(model, block.switch_mlp), expert_params(block.switch_mlp))
-    cache = ExpertCache(store, budget, policy=policy, link=link)
+    cache = ExpertCache(store, budget, policy=policy, link=link, clock=clock)
     for i, block in blocks:
         inner = block.switch_mlp
         inner.update(tree_unflatten(list(cache.slots[i].items())))  # the slot tensors themselves, shared

@@ -27,7 +27,6 @@ Decisions are made for decode steps (one token); a prompt's experts load on dema
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -112,7 +111,7 @@ class PrefetchPlanner:
         if self.governor is None or self.governor.active:
             self.hits.tick()
             self.reuse.tick()
-        link, now = self.cache.link, time.perf_counter()
+        link, now = self.cache.link, self.cache.clock.now()
         if self._clock is not None and now > self._clock[0]:
             share = (link.busy_s - self._clock[1]) / (now - self._clock[0])
             a = self.config.util_smoothing
@@ -186,11 +185,14 @@ class PrefetchPlanner:
     def victim(self, layer: int, candidates: Sequence[int], demand: bool) -> int | None:
         """Which of ``candidates`` (resident, not needed by the layer computing now) a load into ``layer`` evicts:
         a prefetch spares what predictions name and what the current token used there (None: nothing to spare
-        for it); a load on demand takes the policy's choice among all of them."""
-        cache = self.cache
-        if demand:
-            return cache.policies[layer].victim(candidates)
-        spare = self._named(layer) | self._current(layer)
+        for it); a load on demand never evicts an expert a prediction names while an unnamed one is resident, and
+        among named ones takes the least likely."""
+        named = self._named(layer)
+        if demand:  # must evict one: what no prediction names first, then the least likely of what they name
+            order = [e for e in self._eviction_order(layer, self._pending_dist(layer)) if e in candidates]
+            unnamed = [e for e in order if e not in named]
+            return (unnamed or order)[0]
+        spare = named | self._current(layer)
         order = [
             e for e in self._eviction_order(layer, self._pending_dist(layer)) if e in candidates and e not in spare
         ]

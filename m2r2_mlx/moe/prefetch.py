@@ -121,3 +121,81 @@ class Prefetcher:
                 self._pending.discard((layer, e))
                 self._ready.append((layer, e, arrays))
                 self._cond.notify_all()
+
+
+class DevicePrefetcher:
+    """The background loader of a device-clock run (clock.py): no thread; each request queues on the clock's link
+    channel when issued, in order, and the forward pass collects what has arrived by its own time. A request whose
+    layer the pass has gone past when the channel would start it is dropped unread, as the loader thread does."""
+
+    def __init__(self, cache: ExpertCache):
+        if cache.prefetcher is not None:
+            cache.prefetcher.close()
+        self.cache, self.clock = cache, cache.clock
+        self._queue: deque[tuple[int, int, int, float]] = deque()  # (step, layer, expert, issued at), not started
+        self._flight: dict[tuple[int, int], float] = {}  # (layer, expert) started -> arrives at
+        self._dropped = 0
+        cache.prefetcher = self
+
+    def request(self, layer: int, experts: Iterable[int], step: int | None = None) -> None:
+        self.cache.prefetch(layer, experts, step)
+
+    def submit(self, step: int, layer: int, experts: Iterable[int]) -> None:
+        now = self.clock.now()
+        for e in experts:
+            queued = next((i for i, r in enumerate(self._queue) if r[1:3] == (layer, e)), None)
+            if queued is not None:
+                if self._queue[queued][0] < step:
+                    self._queue[queued] = (step, layer, e, self._queue[queued][3])
+            elif (layer, e) not in self._flight:
+                self._queue.append((step, layer, e, now))
+        self._advance(now)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        self._advance(self.clock.now())
+        return (layer, expert) in self._flight or any(r[1:3] == (layer, expert) for r in self._queue)
+
+    def count(self, layer: int) -> int:
+        self._advance(self.clock.now())
+        return sum(l == layer for l, _ in self._flight) + sum(r[1] == layer for r in self._queue)
+
+    def collect(self, layer: int, needed: Iterable[int]) -> tuple[list, int, int]:
+        """Wait (on the clock) for any of ``needed`` still on the link or queued for it, then hand over everything
+        that has arrived: (arrived [(layer, expert, arrays)], how many of ``needed`` were waited for, dropped)."""
+        now = self.clock.now()
+        self._advance(now)
+        wanted = {(layer, e) for e in needed}
+        while any(r[1:3] in wanted for r in self._queue):  # the channel gets to them in queue order
+            self._start(self._queue.popleft())
+        waits = [self._flight[k] for k in wanted if k in self._flight]
+        late = sum(t > now for t in waits)
+        if waits:
+            self.clock.wait(max(waits))
+        now = self.clock.now()
+        done = [k for k, t in self._flight.items() if t <= now]
+        arrived = []
+        for key in done:
+            del self._flight[key]
+            arrived.append((*key, self.cache.store.read(*key)))
+        dropped, self._dropped = self._dropped, 0
+        return arrived, late, dropped
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._flight.clear()
+        if self.cache.prefetcher is self:
+            self.cache.prefetcher = None
+
+    def _advance(self, now: float) -> None:
+        """Start every queued request the channel would have started by ``now``."""
+        while self._queue and max(self._queue[0][3], self.clock.link_free) <= now:
+            self._start(self._queue.popleft())
+
+    def _start(self, request: tuple[int, int, int, float]) -> None:
+        step, layer, e, issued = request
+        if self.cache.is_stale(step, layer):
+            self._dropped += 1
+            return
+        nbytes = self.cache.store.expert_bytes(layer)
+        self.cache.link.count(nbytes)
+        self._flight[(layer, e)] = self.clock.transfer(self.cache.link.scaled(nbytes), issued)

@@ -1,38 +1,99 @@
-"""Device profiles: an emulated link whose cost, relative to this machine's compute, is a real deployment's.
+"""Device profiles: the machines the MoE bench models, as roofline figures and a link.
 
-What decides whether loading experts ahead of time pays is one ratio: the time to move one
-expert over the link divided by the time to compute one layer. A profile states that ratio
-for a real deployment (numbers and sources in docs/moe.md); ``link_for`` measures nothing
-itself but turns the ratio and this machine's measured layer time into a throttled ``Link``
-with the same ratio, so a CPU emulates an Apple laptop streaming experts from its SSD, or a
-discrete GPU fed over PCIe.
+A profile is used two ways:
+
+- **device clock** (clock.py, metering.py): each op of the real decode is charged the profile's roofline time
+  (bytes over achieved memory bandwidth or FLOPs over peak, the larger, plus a launch cost), each host round trip
+  ``sync_us``, each expert transfer ``latency_ms`` plus its bytes (as the device stores them, ``weight_bytes`` a
+  weight) over ``link_gbps``. Deterministic: the same command gives the same figures.
+- **wall clock**: an emulated link throttled by sleeping, so that one expert's transfer time over one layer's compute
+  time (measured here) is the device's ``ratio`` (``link_for``), or for the ``cpu`` profile the link as stated.
+
+Figures and sources (docs/moe.md has the same table):
+
+- macbook: Apple M3 Pro, 150 GB/s unified memory (Apple's specification), of which decode kernels reach about 60%
+  (MLX's 4-bit matrix-vector kernels on M-series GPUs: our estimate from published mlx-lm decode speeds of dense
+  models, tokens/s x weight bytes); GPU about 7 TFLOP/s (18-core, half precision; Apple quotes about 7.4 for
+  single precision); 5 us a kernel (Metal command encoding within one command buffer) and 100 us a host round trip
+  (command-buffer commit and wait); experts read from the internal SSD at 4 GB/s effective with 0.1 ms a read.
+  Weights in 4 bits with group-64 scales and biases (0.5625 bytes a weight), KV cache in float16.
+- pcie-gpu: RTX 4090, 1,008 GB/s (NVIDIA's specification), 70% reached by decode kernels; 165 TFLOP/s (half
+  precision tensor cores with half accumulate: 330 sparse / 2); 4 us a kernel launch; 20 us a host round trip
+  (stream synchronize plus a small device-to-host copy); PCIe 4.0 x16 from pinned memory at 25 GB/s effective
+  with 10 us a transfer. Weights and KV cache in bfloat16.
+- cpu: this machine (2 cores, MLX's CPU backend with OpenBLAS, float32), measured by
+  ``python -m m2r2_mlx.moe.profiles``: a 64 MB float32 matrix-vector product for the bandwidth, a 1024^3 matmul
+  for the FLOP rate, a chain of small ops evaluated at once for the launch cost, a one-op evaluation read back to
+  numpy for the round trip. Its link is the bench's default throttled link (0.5 GB/s, 0.05 ms), charged as is.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 
 from ..errors import M2R2Error
+from .clock import DeviceClock, DeviceLink
 from .link import Link
+from .metering import Metering
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
     what: str
-    expert_mb: float  # one expert's bytes on the real device (MB)
-    link_gbps: float  # the real link's effective bandwidth (GB/s)
-    latency_ms: float  # per transfer on the real link
-    layer_ms: float  # one layer's decode compute on the real device (batch 1)
+    memory_gbps: float  # the device's memory bandwidth (GB/s)
+    bandwidth_share: float  # of it, what decode kernels reach
+    tflops: float  # peak, at the model's precision
+    launch_us: float  # per kernel
+    sync_us: float  # per host round trip
+    link_gbps: float  # the expert link's effective bandwidth (GB/s)
+    latency_ms: float  # per transfer on the link
+    weight_bytes: float | None  # bytes a weight on the device (None: as held here)
+    kv_bytes: float | None  # bytes a KV-cache element on the device (None: as held here)
+    # the wall clock's emulation: one OLMoE-1B-7B expert's bytes and one layer's active weights (None: the link as is)
+    expert_weights: float | None = None
+    layer_weights: float | None = None
 
     @property
     def expert_ms(self) -> float:
-        return self.latency_ms + self.expert_mb / self.link_gbps
+        """One OLMoE expert's transfer on this device."""
+        return self.latency_ms + self.expert_weights * self.weight_bytes / self.link_gbps / 1e6
 
     @property
-    def ratio(self) -> float:
-        """One expert's transfer time / one layer's compute time."""
+    def layer_ms(self) -> float:
+        """One OLMoE layer's decode compute on this device (its active weights at the reached bandwidth)."""
+        return self.layer_weights * self.weight_bytes / (self.memory_gbps * self.bandwidth_share) / 1e6
+
+    @property
+    def ratio(self) -> float | None:
+        """One expert's transfer time / one layer's compute time (None: the cpu profile, whose link is stated)."""
+        if self.expert_weights is None:
+            return None
         return self.expert_ms / self.layer_ms
+
+    def clock(self) -> DeviceClock:
+        """A fresh device clock with this profile's figures."""
+        return DeviceClock(
+            bandwidth=self.memory_gbps * self.bandwidth_share * 1e9,
+            flops=self.tflops * 1e12,
+            launch=self.launch_us * 1e-6,
+            sync=self.sync_us * 1e-6,
+            link_bandwidth=self.link_gbps * 1e9,
+            link_latency=self.latency_ms * 1e-3,
+        )
+
+    def device_link(self, clock: DeviceClock, expert_weights: int | None, expert_bytes: int) -> DeviceLink:
+        """The clock's link for experts of ``expert_weights`` weights (None: packed, priced as held here) held here
+        in ``expert_bytes``."""
+        priced = self.weight_bytes is not None and expert_weights is not None
+        scale = expert_weights * self.weight_bytes / expert_bytes if priced else 1.0
+        return DeviceLink(clock, scale)
+
+    @property
+    def metering(self) -> Metering:
+        return Metering(weight_bytes=self.weight_bytes, kv_bytes=self.kv_bytes)
 
 
 # OLMoE-1B-7B (16 layers; 64 experts of 3 x 2048 x 1024 weights, top-8; attention 4 x 2048^2 per layer):
@@ -41,20 +102,47 @@ _EXPERT_W, _LAYER_W = 6.291e6, 67.1e6
 PROFILES = {
     "macbook": DeviceProfile(
         "macbook",
-        "OLMoE-1B-7B at 4-bit (MLX, group 64) on an Apple laptop (M3 Pro, 150 GB/s), experts read from its SSD",
-        expert_mb=_EXPERT_W * 0.5625 / 1e6,
+        "an Apple laptop (M3 Pro, 150 GB/s), the model in 4 bits (MLX, group 64), experts read from its SSD",
+        memory_gbps=150.0,
+        bandwidth_share=0.6,
+        tflops=7.0,
+        launch_us=5.0,
+        sync_us=100.0,
         link_gbps=4.0,
         latency_ms=0.1,
-        layer_ms=_LAYER_W * 0.5625 / 150e9 / 0.6 * 1e3,
+        weight_bytes=0.5625,
+        kv_bytes=2,
+        expert_weights=_EXPERT_W,
+        layer_weights=_LAYER_W,
     ),
     "pcie-gpu": DeviceProfile(
         "pcie-gpu",
-        "OLMoE-1B-7B in bfloat16 on a discrete GPU (RTX 4090, 1,008 GB/s) fed over PCIe 4.0 x16 from "
-        "pinned host memory",
-        expert_mb=_EXPERT_W * 2 / 1e6,
+        "a discrete GPU (RTX 4090, 1,008 GB/s), the model in bfloat16, fed over PCIe 4.0 x16 from pinned host memory",
+        memory_gbps=1008.0,
+        bandwidth_share=0.7,
+        tflops=165.0,
+        launch_us=4.0,
+        sync_us=20.0,
         link_gbps=25.0,
         latency_ms=0.01,
-        layer_ms=_LAYER_W * 2 / 1008e9 / 0.7 * 1e3,
+        weight_bytes=2,
+        kv_bytes=2,
+        expert_weights=_EXPERT_W,
+        layer_weights=_LAYER_W,
+    ),
+    # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26)
+    "cpu": DeviceProfile(
+        "cpu",
+        "this machine: 2 x86 cores, MLX's CPU backend, float32, the bench's default throttled link",
+        memory_gbps=10.0,
+        bandwidth_share=1.0,
+        tflops=0.1,
+        launch_us=10.0,
+        sync_us=30.0,
+        link_gbps=0.5,
+        latency_ms=0.05,
+        weight_bytes=None,
+        kv_bytes=None,
     ),
 }
 
@@ -74,3 +162,47 @@ def link_for(ratio: float, expert_bytes: int, layer_ms: float, latency_share: fl
     expert_ms = ratio * layer_ms
     wire_s = expert_ms * (1 - latency_share) / 1e3
     return Link(expert_bytes / wire_s / 1e9, expert_ms * latency_share)
+
+
+def _best(f, repeats: int = 7) -> float:
+    """The fastest of ``repeats`` timings of ``f()`` (seconds): the machine's rate, not its noise."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_here() -> dict[str, float]:
+    """This machine's figures for the cpu profile (see the module docstring)."""
+    import mlx.core as mx
+    import numpy as np
+
+    w, v = mx.random.normal((4096, 4096)), mx.random.normal((1, 4096))
+    a, b = mx.random.normal((1024, 1024)), mx.random.normal((1024, 1024))
+    x = mx.random.normal((1, 576))
+    mx.eval(w, v, a, b, x)
+    gbps = w.nbytes / _best(lambda: mx.eval(v @ w.T)) / 1e9
+    tflops = 2 * 1024**3 / _best(lambda: mx.eval(a @ b)) / 1e12
+
+    def chain(n: int):
+        y = x
+        for _ in range(n):
+            y = y * 1.0001 + 0.5
+        mx.eval(y)
+
+    launch = (_best(lambda: chain(400)) - _best(lambda: chain(200))) / 400  # two ops a link, the fixed part cancels
+    sync = _best(lambda: np.array(x + 1.0)) - launch
+    return {"memory_gbps": gbps, "tflops": tflops, "launch_us": 1e6 * launch, "sync_us": 1e6 * sync}
+
+
+def main() -> None:
+    import m2r2_mlx  # noqa: F401  (the fast BLAS, as every run here)
+
+    figures = measure_here()
+    print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,7 @@ from .link import Link
 from .offload import offload_experts
 from .planner import PrefetchPlanner
 from .predictors import Predictor, PredictorInputs, build_predictor, get_predictor
-from .prefetch import Prefetcher
+from .prefetch import DevicePrefetcher, Prefetcher
 from .store import ExpertStore
 
 
@@ -87,7 +87,7 @@ def attach_predictor(
     built = build_predictor(predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace))
     entry = get_predictor(predictor)
     if entry.loads_ahead:
-        Prefetcher(cache)
+        (DevicePrefetcher if cache.clock.modelled else Prefetcher)(cache)
     if entry.planned:
         PrefetchPlanner().attach(cache)
     return built.attach(cache)

@@ -287,6 +287,14 @@ class ExpertStore:
             return max(self.expert_bytes(l) for l in self._layers)
         return self._layers[layer]["experts"][0]["bytes"]
 
+    def expert_weights(self, layer: int | None = None) -> int | None:
+        """Weights in one expert of ``layer`` (default: the first), or None where they are packed (quantized): what
+        a device profile prices at its own bytes a weight."""
+        params = self.params(self.layers[0] if layer is None else layer)
+        if any(p["dtype"] == "U32" for p in params):
+            return None
+        return sum(int(np.prod(p["shape"])) for p in params if p["name"].endswith("weight"))
+
     def read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """Copy one expert's tensors out of the mapped file, after checking their CRC-32.
 

@@ -1,0 +1,144 @@
+"""Time for the expert cache: the wall clock, or a modelled device's (a discrete-event clock).
+
+Every time-dependent decision of the cache, the background loader, the prefetch planner and the governor (is a
+prefetch in time, does the predictor pay for its work) reads ``cache.clock``. ``WallClock`` is this machine's time;
+the link is throttled by sleeping (link.py). ``DeviceClock`` is one decode on a profiled device (profiles.py),
+modelled as two resources:
+
+- a **compute stream**: the model's ops in program order, each taking its roofline time (the bytes it reads over
+  the device's achieved memory bandwidth, or its FLOPs over the device's peak, whichever is larger) plus a launch
+  cost; a host round trip (the router's choice read back to decide loads) costs ``sync``;
+- a **link channel**: transfers queue on it, each taking the link's latency plus bytes over its bandwidth.
+
+An op that needs an expert still on the link waits for it (a stall). Ops are charged by ``metering.metered`` as the
+real model calls them, so the trace (routes, predictions, cache decisions, prefetches) is the real decode's and the
+tokens are the model's own; only time is modelled. Nothing in it reads the wall clock: the same command gives the
+same figures on every run.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, Protocol
+
+from ..errors import M2R2Error
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since an arbitrary origin, on the clock's own timeline."""
+        ...
+
+
+class WallClock:
+    """This machine's time."""
+
+    modelled = False
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class DeviceClock:
+    """A compute stream and one link channel on a profiled device; see the module docstring.
+
+    ``bandwidth`` (bytes/s achieved by the device's kernels), ``flops`` (FLOP/s peak), ``launch`` and ``sync``
+    (seconds), ``link_bandwidth`` (bytes/s) and ``link_latency`` (seconds)."""
+
+    modelled = True
+
+    def __init__(
+        self,
+        *,
+        bandwidth: float,
+        flops: float,
+        launch: float,
+        sync: float,
+        link_bandwidth: float,
+        link_latency: float,
+    ):
+        if not (bandwidth > 0 and flops > 0 and link_bandwidth > 0) or min(launch, sync, link_latency) < 0:
+            raise M2R2Error("a device clock needs positive bandwidths and FLOP rate, and non-negative costs")
+        self.bandwidth, self.flops, self.launch, self.sync_s = bandwidth, flops, launch, sync
+        self.link_bandwidth, self.link_latency = link_bandwidth, link_latency
+        self.compute_t = 0.0  # the compute stream has run up to here
+        self.link_free = 0.0  # the link channel is busy until here
+        self.link_busy = 0.0  # seconds the channel has carried transfers
+        self.ops = 0
+        self.stalled = 0.0  # seconds the compute stream waited on the link
+
+    def now(self) -> float:
+        return self.compute_t
+
+    def op_seconds(self, nbytes: float, flops: float) -> float:
+        """One op's duration: launch + the larger of its memory time and its compute time."""
+        return self.launch + max(nbytes / self.bandwidth, flops / self.flops)
+
+    def op(self, nbytes: float, flops: float = 0.0) -> None:
+        """Run one op on the compute stream."""
+        self.compute_t += self.op_seconds(nbytes, flops)
+        self.ops += 1
+
+    def sync(self) -> None:
+        """A host round trip: the stream drains and the host reads a result back before issuing more work."""
+        self.compute_t += self.sync_s
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        return self.link_latency + nbytes / self.link_bandwidth
+
+    def transfer(self, nbytes: float, issued: float | None = None) -> float:
+        """Queue a transfer issued at ``issued`` (default now) on the channel; returns when it arrives."""
+        start = max(self.compute_t if issued is None else issued, self.link_free)
+        self.link_free = start + self.transfer_seconds(nbytes)
+        self.link_busy += self.link_free - start
+        return self.link_free
+
+    def wait(self, until: float) -> float:
+        """The compute stream waits until ``until`` (an arrival); returns the stall."""
+        stall = max(until - self.compute_t, 0.0)
+        self.compute_t += stall
+        self.stalled += stall
+        return stall
+
+
+class DeviceLink:
+    """The ``Link`` of a device-clock run: transfers are charged on the clock's channel, nothing sleeps. A transfer
+    through ``transfer`` is a load on demand: the compute stream waits for it. ``scale``: the device's bytes per byte
+    held here (an expert held in float32 here and in 4 bits on the device moves 0.5625 / 4 of its bytes)."""
+
+    def __init__(self, clock: DeviceClock, scale: float = 1.0):
+        self.clock, self.scale = clock, scale
+        self.gb_per_s = clock.link_bandwidth / 1e9
+        self.latency_ms = clock.link_latency * 1e3
+        self.transfers = 0
+        self.bytes = 0
+
+    throttled = True
+
+    @property
+    def busy_s(self) -> float:
+        return self.clock.link_busy
+
+    def scaled(self, nbytes: int) -> float:
+        return nbytes * self.scale
+
+    def min_seconds(self, nbytes: int) -> float:
+        return self.clock.transfer_seconds(self.scaled(nbytes))
+
+    def land(self, nbytes: int) -> None:
+        """An arrived expert written into its slot: a copy on the compute stream (read and write)."""
+        self.clock.op(2 * self.scaled(nbytes))
+
+    def count(self, nbytes: int) -> None:
+        self.transfers += 1
+        self.bytes += nbytes
+
+    @contextmanager
+    def transfer(self, nbytes: int) -> Iterator[None]:
+        yield
+        self.count(nbytes)
+        self.clock.wait(self.clock.transfer(self.scaled(nbytes)))
+
+    def __repr__(self) -> str:
+        return f"DeviceLink({self.gb_per_s:g} GB/s, {self.latency_ms:g} ms)"

@@ -1,0 +1,154 @@
+"""Charging a real forward pass to a ``DeviceClock``: each op the model calls, at the device's roofline.
+
+``with metered(clock, weight_bytes=0.5625):`` every call of an mlx-lm projection (``Linear``, ``QuantizedLinear``,
+``SwitchLinear``, ``QuantizedSwitchLinear``), embedding (and tied head), attention kernel and norm inside the block
+advances the clock's compute stream by that op's time on the device, in the order the model calls them. An op's
+bytes are the weights it reads, as the device stores them (``weight_bytes`` per weight: a 4-bit model on a laptop
+reads 0.5625 bytes a weight whatever this machine holds; None: the bytes held here), plus the KV cache an attention
+reads (``kv_bytes`` per element); its FLOPs are 2 per weight per row. A gathered expert matmul reads each distinct
+expert once, however many rows use it (a fused row rides free of bytes). The kernels a decoder layer launches that
+are not metered one by one (rope, cache writes, residual adds, activations, the router's softmax, top-k and combine)
+are charged as ``other_kernels`` launches with each norm.
+
+The patch is process-wide while the block runs (the classes' ``__call__``), so a device-clock run must not share
+the process with other decoding threads.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from .clock import DeviceClock
+
+ACTIVATION_BYTES = 2  # activations are small at batch 1; their bytes hardly matter
+
+
+@dataclass(frozen=True)
+class Metering:
+    weight_bytes: float | None = None  # bytes per weight on the device (None: as held here)
+    kv_bytes: float | None = None  # bytes per KV-cache element on the device (None: as held here)
+    other_kernels: int = 7  # unmetered kernels charged with each norm (two norms per decoder layer)
+
+
+def _weights(module: nn.Module, per_expert: bool = False) -> tuple[int, int]:
+    """(weights, bytes held here) of one matrix (or one expert's, ``per_expert``): a quantized module packs
+    32 / bits weights into each uint32 and adds scales and biases per group."""
+    w = module["weight"]
+    out_dim, packed = w.shape[-2], w.shape[-1]
+    in_dim = packed * 32 // module.bits if "scales" in module else packed
+    held = sum(module[k].nbytes for k in ("weight", "scales", "biases") if k in module and module[k] is not None)
+    if per_expert:
+        held //= w.shape[0]
+    return out_dim * in_dim, held
+
+
+class _Meter:
+    def __init__(self, clock: DeviceClock, m: Metering):
+        self.clock, self.m = clock, m
+
+    def weights(self, count: int, held: int) -> float:
+        return held if self.m.weight_bytes is None else count * self.m.weight_bytes
+
+    def matmul(self, module: nn.Module, x: mx.array) -> None:
+        count, held = _weights(module)
+        rows = math.prod(x.shape[:-1])
+        self.clock.op(
+            self.weights(count, held) + rows * (x.shape[-1] + count // x.shape[-1]) * ACTIVATION_BYTES, 2 * rows * count
+        )
+
+    def gathered(self, module: nn.Module, x: mx.array, indices: mx.array) -> None:
+        count, held = _weights(module, per_expert=True)
+        ids = np.array(indices)  # already on the host: the cache read the routes before this matmul
+        self.clock.op(len(np.unique(ids)) * self.weights(count, held), 2 * ids.size * count)
+
+    def embedding(self, module: nn.Module, x: mx.array) -> None:
+        dims = module["weight"].shape[-1] * (32 // module.bits if "scales" in module else 1)
+        self.clock.op(x.size * dims * (self.m.weight_bytes or module["weight"].dtype.size))
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array) -> None:
+        per = self.m.kv_bytes or k.dtype.size
+        b, h, lq, d = q.shape
+        self.clock.op((k.size + v.size) * per, 4 * b * h * lq * k.shape[-2] * d)
+
+    def norm(self, x: mx.array) -> None:
+        self.clock.op(2 * x.size * ACTIVATION_BYTES)
+        for _ in range(self.m.other_kernels):
+            self.clock.op(0)
+
+
+def _patch(stack: ExitStack, owner, name: str, wrapper) -> None:
+    original = getattr(owner, name)
+    setattr(owner, name, wrapper(original))
+    stack.callback(setattr, owner, name, original)
+
+
+@contextmanager
+def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[None]:
+    """Charge every metered op called inside the block to ``clock``; see the module docstring."""
+    meter = _Meter(clock, metering)
+
+    def linear(f):
+        def call(self, x):
+            meter.matmul(self, x)
+            return f(self, x)
+
+        return call
+
+    def switch(f):
+        def call(self, x, indices, sorted_indices=False):
+            meter.gathered(self, x, indices)
+            return f(self, x, indices, sorted_indices)
+
+        return call
+
+    def embed(f):
+        def call(self, x):
+            meter.embedding(self, x)
+            return f(self, x)
+
+        return call
+
+    def head(f):
+        def call(self, x):
+            count, held = self["weight"].size, self["weight"].nbytes
+            if "scales" in self:
+                count = self["weight"].shape[0] * self["weight"].shape[1] * 32 // self.bits
+            rows = math.prod(x.shape[:-1])
+            clock.op(meter.weights(count, held), 2 * rows * count)
+            return f(self, x)
+
+        return call
+
+    def sdpa(f):
+        def call(q, k, v, *args, **kwargs):
+            meter.attention(q, k, v)
+            return f(q, k, v, *args, **kwargs)
+
+        return call
+
+    def norm(f):
+        def call(self, x):
+            meter.norm(x)
+            return f(self, x)
+
+        return call
+
+    with ExitStack() as stack:
+        for cls in (nn.Linear, nn.QuantizedLinear):
+            _patch(stack, cls, "__call__", linear)
+        for cls in (SwitchLinear, QuantizedSwitchLinear):
+            _patch(stack, cls, "__call__", switch)
+        for cls in (nn.Embedding, nn.QuantizedEmbedding):
+            _patch(stack, cls, "__call__", embed)
+            _patch(stack, cls, "as_linear", head)
+        _patch(stack, nn.RMSNorm, "__call__", norm)
+        _patch(stack, mx.fast, "scaled_dot_product_attention", sdpa)
+        yield
