@@ -176,7 +176,7 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
         offload_experts(load_model(str(folder), tokenizer=False).model, store, 0.2)
     with pytest.raises(M2R2Error, match="unknown device profile 'laptop'.*macbook"):
         get_profile("laptop")
-    assert set(PROFILES) == {"macbook", "pcie-gpu"}
+    assert set(PROFILES) == {"macbook", "pcie-gpu", "cpu"}
     with pytest.raises(M2R2Error, match="no SwitchGLU mixture-of-experts"):  # a model without experts
         ExpertStore.export(load_model("smollm2", tokenizer=False).model, tmp_path / "dense")
     assert not (tmp_path / "dense").exists()

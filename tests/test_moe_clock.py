@@ -1,0 +1,197 @@
+"""The MoE device clock (m2r2_mlx/moe/clock.py): its arithmetic on hand-made traces, Belady's optimality on a small
+trace, the prediction-aware eviction rule, and the bench's device figures reproducing themselves exactly."""
+
+import itertools
+import json
+import subprocess
+
+from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, offload_experts
+from m2r2_mlx.moe.clock import DeviceClock, DeviceLink
+from m2r2_mlx.moe.metering import Metering, metered
+from m2r2_mlx.moe.prefetch import DevicePrefetcher
+from m2r2_mlx.moe.profiles import PROFILES
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from tests.test_moe_ahead_of_time import EXE, _tiny_olmoe_folder
+from tests.tiny import tiny_model
+
+T_LINK = 1e-4 + 1e6 / 1e8  # one 1 MB transfer: latency + bytes over the link's bandwidth
+
+
+def clock() -> DeviceClock:
+    return DeviceClock(bandwidth=1e9, flops=1e12, launch=1e-6, sync=1e-5, link_bandwidth=1e8, link_latency=1e-4)
+
+
+def test_ops_transfers_and_waits_add_up_as_the_model_says():
+    c = clock()
+    c.op(1e6, 1e3)  # memory-bound: 1 ms + launch
+    assert c.now() == pytest.approx(1e-3 + 1e-6)
+    c.op(0, 1e10)  # compute-bound: 10 ms + launch
+    assert c.now() == pytest.approx(11e-3 + 2e-6)
+    c.sync()
+    t0 = c.now()
+    assert t0 == pytest.approx(11e-3 + 2e-6 + 1e-5)
+    first = c.transfer(1e6)
+    second = c.transfer(1e6)  # one channel: queued behind the first
+    assert (first, second) == (pytest.approx(t0 + T_LINK), pytest.approx(t0 + 2 * T_LINK))
+    assert c.now() == t0  # transfers do not hold the compute stream
+    c.op(15e6)  # 15 ms of compute hides the first transfer, not the second
+    assert c.wait(first) == 0.0
+    assert c.wait(second) == pytest.approx(t0 + 2 * T_LINK - (t0 + 15e-3 + 1e-6))
+    late = c.transfer(1e6, issued=t0)  # issued in the past: it still waits for the channel
+    assert late == pytest.approx(second + T_LINK)
+    assert c.wait(late) == pytest.approx(T_LINK) and c.now() == pytest.approx(late)
+    assert c.stalled == pytest.approx(late - (t0 + 15e-3 + 1e-6))
+    assert c.link_busy == pytest.approx(3 * T_LINK)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return ExpertStore.export(tiny_model("olmoe").model, tmp_path_factory.mktemp("store") / "experts")
+
+
+def device_cache(store, budget=0.25, link_scale=None):
+    c = clock()
+    nbytes = store.expert_bytes(0)
+    link = DeviceLink(c, 1e6 / nbytes if link_scale is None else link_scale)  # every expert moves 1 MB
+    cache = offload_experts(tiny_model("olmoe").model, store, budget, link=link, clock=c)
+    return cache, c, nbytes
+
+
+def test_prefetches_arrive_in_order_and_a_late_one_stalls_exactly_until_it_lands(store):
+    cache, c, nbytes = device_cache(store)
+    DevicePrefetcher(cache)
+    land = c.op_seconds(2e6, 0)  # an arrived expert's copy into its slot
+    x = mx.zeros((1, 64))
+    cache.begin_layer(0, x, [0])
+    cache.prefetch(1, [5, 6])  # layer 1 at this step: queued at t0, 5 then 6
+    t0 = c.now()
+    c.op(1.5 * T_LINK * 1e9)  # compute for 1.5 transfers
+    assert c.now() == pytest.approx(t0 + 1e-6 + 1.5 * T_LINK)
+    cache.begin_layer(1, x, [5, 6])
+    before = c.now()
+    cache.ensure(1, [5])  # 5 arrived at t0 + T; 6 (due at t0 + 2T) is not needed yet
+    assert cache.is_resident(1, 5) and not cache.is_resident(1, 6)
+    assert c.now() == pytest.approx(before + land)  # no wait: only the landing copy
+    before = c.now()
+    cache.ensure(1, [6])  # waits for its arrival, then lands it
+    assert c.now() == pytest.approx(t0 + 2 * T_LINK + land)
+    st = cache.stats.layer(1)
+    assert (st.late_prefetches, st.prefetch_hits, st.misses) == (1, 2, 0)
+    assert cache.stats.stall_s == pytest.approx(c.now() - before + land)
+    before = c.now()
+    cache.ensure(1, [7])  # on demand: the channel is idle, so one transfer and its landing
+    assert c.now() == pytest.approx(before + T_LINK + land) and cache.stats.layer(1).misses == 1
+    assert cache.link.transfers == 3 and c.link_busy == pytest.approx(3 * T_LINK)
+
+
+def test_a_prefetch_for_a_layer_already_passed_is_dropped_unread(store):
+    cache, c, _ = device_cache(store)
+    DevicePrefetcher(cache)
+    x = mx.zeros((1, 64))
+    cache.begin_layer(0, x, [0])
+    cache.prefetch(0, [2, 3], step=cache.step + 1)  # with the next, the channel is busy for 4 transfers
+    cache.prefetch(2, [2, 3])
+    cache.prefetch(1, [6])  # queued behind them: the channel would start it at t0 + 4T
+    cache.begin_layer(1, x, [0])
+    cache.ensure(1, [0])
+    cache.begin_layer(2, x, [0])  # by then the pass has gone past layer 1
+    c.op(5 * T_LINK * 1e9)
+    cache.ensure(2, [0])
+    assert cache.link.transfers == 4 and cache.stats.prefetch_dropped == 1
+
+
+def misses(cache, routes) -> int:
+    x = mx.zeros((1, 64))
+    for step in range(max(s for s, _ in routes) + 1):
+        cache.begin_layer(0, x, routes[(step, 0)])
+        cache.ensure(0, routes[(step, 0)])
+    return cache.stats.layer(0).misses
+
+
+def optimum(resident: list[int], slots: int, routes) -> int:
+    """The fewest misses any eviction choices give (exhaustive search)."""
+    best = {frozenset(resident): 0}
+    for step in range(max(s for s, _ in routes) + 1):
+        need, nxt = routes[(step, 0)], {}
+        for held, n in best.items():
+            missing = [e for e in need if e not in held]
+            keep = [e for e in held if e not in need]
+            room = slots - len(need)
+            for kept in itertools.combinations(keep, min(room, len(keep))):
+                state = frozenset(kept) | frozenset(need)
+                nxt[state] = min(nxt.get(state, 1 << 30), n + len(missing))
+        best = nxt
+    return min(best.values())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_belady_makes_the_fewest_misses_any_eviction_can(store, seed):
+    rng = np.random.default_rng(seed)
+    weights = rng.dirichlet(np.full(8, 0.5))  # skewed routing, as a real router's
+    routes = {(s, 0): sorted(rng.choice(8, size=2, replace=False, p=weights).tolist()) for s in range(14)}
+    counts = {}
+    for policy in ("lru", "belady"):
+        cache, _, _ = device_cache(store, 0.5)  # 4 slots of 8, holding 0-3
+        cache.reset()
+        if policy == "belady":
+            cache.set_future(routes)
+        counts[policy] = misses(cache, routes)
+    assert counts["belady"] == optimum([0, 1, 2, 3], 4, routes) <= counts["lru"]
+
+
+def test_a_load_on_demand_never_evicts_a_predicted_expert_while_an_unpredicted_one_is_resident(store):
+    cache, _, _ = device_cache(store, 0.25)  # 2 slots holding 0 and 1; 0 is the least recent
+    PrefetchPlanner().attach(cache)
+    cache.tokens_now = 1
+    cache.prefetch(0, [0], step=cache.step + 1)  # predicted (resident: no load)
+    cache.ensure(0, [5])
+    assert cache.resident(0) == [0, 5]  # LRU alone would have evicted 0
+    scores = np.full(8, 0.01)
+    scores[0], scores[5] = 0.9, 0.3
+    cache.prefetch(0, [0, 5], step=cache.step + 1, scores=scores)  # both named now: the less likely goes first
+    cache.ensure(0, [7])
+    assert cache.resident(0) == [0, 7]
+
+
+def test_metering_charges_each_projection_at_the_device_bytes_per_weight():
+    model = tiny_model("olmoe").model
+    weights = sum(v.size for k, v in tree_flatten(model.parameters()) if "weight" in k)
+    charged = {}
+    for name, wb in (("as held", None), ("4-bit", 0.5625)):
+        c = DeviceClock(bandwidth=1e9, flops=1e18, launch=0, sync=0, link_bandwidth=1, link_latency=0)
+        with metered(c, Metering(weight_bytes=wb, other_kernels=0)):
+            mx.eval(model(mx.array([[3, 17]])))
+        charged[name] = c.now() * 1e9  # bytes: 1 GB/s and free FLOPs
+    assert 0 < charged["4-bit"] < charged["as held"] / 4 < weights * 1.1
+
+
+def test_every_profile_builds_a_clock_and_the_device_ones_keep_their_ratio():
+    for p in PROFILES.values():
+        assert p.clock().now() == 0.0
+    assert PROFILES["cpu"].ratio is None
+    assert 2.0 < PROFILES["macbook"].ratio < 2.6 and 2.5 < PROFILES["pcie-gpu"].ratio < 3.0
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+@pytest.mark.slow
+def test_the_device_clock_reproduces_itself_exactly(tmp_path):
+    model = _tiny_olmoe_folder(tmp_path)
+    results = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
+        cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2"]
+        cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--profile", "macbook", "--clock", "device"]
+        cmd += ["--methods", "lru,pregating-planned,m2r2-fused,oracle", "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        results.append(json.loads((out / "moe_bench.json").read_text())["rows"])
+    keys = ("device_tokens_per_s", "device_stall_ms_per_token", "device_hit_rate", "device_loads_per_token")
+    figures = [[tuple(row.get(k) for k in keys) for row in rows] for rows in results]
+    assert figures[0] == figures[1]
+    assert all(row["tokens_per_s"] is None and row["device_tokens_per_s"] > 0 for row in results[0])
