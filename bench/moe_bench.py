@@ -34,6 +34,7 @@ from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe import CacheStats, ExpertStore, Link, Oracle, offload_experts
 from m2r2_mlx.moe.cache import resolve_slots
 from m2r2_mlx.moe.clock import Clock, WallClock
+from m2r2_mlx.moe.lookahead import ensure_lookahead
 from m2r2_mlx.moe.metering import metered
 from m2r2_mlx.moe.predictors import PREDICTORS
 from m2r2_mlx.moe.prefetch import DevicePrefetcher, Prefetcher
@@ -235,7 +236,8 @@ def setup(config: MoEBenchConfig, method: str, budget: float, store: ExpertStore
         return lm.model, cache, oracle.attach(cache)
     name = "none" if method == "lru" else method
     m2r2 = load_adapters(lm, config.adapters) if PREDICTORS[name].needs_adapters else None
-    return lm.model, cache, attach_predictor(cache, name, m2r2, config.m2r2_intervals)
+    lookahead = ensure_lookahead(lm, Path(config.model)) if PREDICTORS[name].needs_lookahead else None
+    return lm.model, cache, attach_predictor(cache, name, m2r2, config.m2r2_intervals, lookahead=lookahead)
 
 
 def measure(

@@ -78,6 +78,10 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return _atomic_write(path, lambda f: f.write(text), "w")
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    return _atomic_write(path, lambda f: f.write(data), "wb")
+
+
 def atomic_save_npy(path: str | Path, array) -> Path:
     """``np.save`` that never leaves a half-written file (training rows, loss masks)."""
     return _atomic_write(path, lambda f: np.save(f, array), "wb")

@@ -66,8 +66,11 @@ def _tiny_olmoe_folder(tmp_path):
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
     (folder / "config.json").write_text(json.dumps(lm.config))
     save_adapters(_m2r2(lm), tmp_path / "adapters")
-    ids = np.random.default_rng(0).integers(0, lm.config["vocab_size"], 400).astype(np.uint16)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, lm.config["vocab_size"], 400).astype(np.uint16)
     np.save(tmp_path / "eval.npy", ids)
+    for name in ("train", "heldout"):  # what the lookahead adapters are fitted and scored on
+        np.save(folder / f"{name}.npy", rng.integers(0, lm.config["vocab_size"], 1024).astype(np.uint16))
     return folder
 
 
@@ -115,6 +118,7 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
             "lru",
             "pregating",
             "pregating-planned",
+            "lookahead",
             "m2r2",
             "m2r2-fused",
             "shuffled",

@@ -5,8 +5,10 @@ import itertools
 import json
 import subprocess
 
+from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, offload_experts
 from m2r2_mlx.moe.clock import DeviceClock, DeviceLink
+from m2r2_mlx.moe.lookahead import LookaheadAdapterPredictor, LookaheadAdapters, train_lookahead
 from m2r2_mlx.moe.metering import Metering, metered
 from m2r2_mlx.moe.prefetch import DevicePrefetcher
 from m2r2_mlx.moe.profiles import PROFILES
@@ -16,7 +18,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.test_moe_ahead_of_time import EXE, _tiny_olmoe_folder
+from m2r2_bench.moe_bench import greedy
+from tests.test_moe_ahead_of_time import EXE, PROMPT, _tiny_olmoe_folder
 from tests.tiny import tiny_model
 
 T_LINK = 1e-4 + 1e6 / 1e8  # one 1 MB transfer: latency + bytes over the link's bandwidth
@@ -195,3 +198,32 @@ def test_the_device_clock_reproduces_itself_exactly(tmp_path):
     figures = [[tuple(row.get(k) for k in keys) for row in rows] for rows in results]
     assert figures[0] == figures[1]
     assert all(row["tokens_per_s"] is None and row["device_tokens_per_s"] > 0 for row in results[0])
+
+
+def test_lookahead_adapters_round_trip_and_predict_across_the_token_boundary(tmp_path):
+    lm = tiny_model("olmoe")
+    rng = np.random.default_rng(0)
+    ids, held = rng.integers(0, 128, 1024), rng.integers(0, 128, 512)
+    adapters, record = train_lookahead(lm, ids, held, lead=2, seq_len=32, progress=False)
+    assert 0 <= record["recall_adapters"] <= 1 and record["lead"] == 2
+    assert adapters.source(0) == (len(adapters.layers) - 2, -1) and adapters.source(3) == (1, 0)
+    adapters.save(tmp_path, record)
+    again = LookaheadAdapters.load(tmp_path)
+    x = mx.random.normal((1, 64))
+    assert mx.allclose(adapters(adapters.layers[1], x), again(adapters.layers[1], x)).item()
+    (tmp_path / "lookahead.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(M2R2Error, match="damaged or not lookahead adapters"):
+        LookaheadAdapters.load(tmp_path)
+
+    model = tiny_model("olmoe").model
+    reference = greedy(model, PROMPT, 10)[0]
+    store = ExpertStore.export(model, tmp_path / "experts")
+    model = tiny_model("olmoe").model
+    cache = offload_experts(model, store, 0.5)
+    seen = []
+    cache.prefetch = lambda layer, experts, step=None, scores=None: seen.append((cache.step, step, layer))
+    LookaheadAdapterPredictor(again).attach(cache)
+    assert greedy(model, PROMPT, 10)[0] == reference
+    last = len(cache.layers) - 1
+    assert any(s == now + 1 and layer == cache.layers[0] for now, s, layer in seen)  # the next token's first layer
+    assert last >= 2 and len(seen) == 9 * len(cache.layers)  # one target a layer at each of the 9 decode steps

@@ -18,6 +18,7 @@ from .baselines import NoPrediction, Oracle, PreGating, ShuffledControl
 from .cache import ExpertCache
 from .fast_predictor import FastStreamPredictor
 from .fused_predictor import FusedPredictor
+from .lookahead import DEFAULT_LEAD, LookaheadAdapterPredictor, LookaheadAdapters
 
 
 @runtime_checkable
@@ -41,6 +42,7 @@ class PredictorInputs:
     m2r2: M2R2Model | None = None  # adapters trained on the model (entries that need_adapters)
     intervals: int | None = None  # M2R2 run-ahead: the fast stream runs in the first N gate intervals only
     trace: dict[tuple[int, int], list[int]] | None = None  # (step, layer) -> experts used (entries that need_trace)
+    lookahead: LookaheadAdapters | None = None  # fitted to the model (entries that need_lookahead)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class PredictorEntry:
     build: Callable[[PredictorInputs], Predictor]  # unattached
     needs_adapters: bool = False
     needs_trace: bool = False  # replays a recorded run: for measurements only
+    needs_lookahead: bool = False  # lookahead adapters fitted to the model (lookahead.py)
     control: bool = False  # a baseline that measurements compare against, of no use when serving
     loads_ahead: bool = True  # needs the background loader (a Prefetcher) beside it
     planned: bool = False  # a PrefetchPlanner (planner.py) loads only the predictions expected to pay
@@ -70,6 +73,15 @@ PREDICTORS: dict[str, PredictorEntry] = {
             "pre-gating (next layer), planned",
             "pre-gating's predictions, loaded only where the prefetch planner expects them to pay",
             lambda i: PreGating(),
+            planned=True,
+        ),
+        PredictorEntry(
+            "lookahead",
+            f"lookahead adapters ({DEFAULT_LEAD} layers ahead), planned",
+            f"a router-sized linear map per layer from the residual {DEFAULT_LEAD} MoE layers earlier (across the "
+            "token boundary); planned (fitted to the model: python -m m2r2_mlx.moe.lookahead)",
+            lambda i: LookaheadAdapterPredictor(i.lookahead),
+            needs_lookahead=True,
             planned=True,
         ),
         PredictorEntry(
@@ -145,6 +157,8 @@ def build_predictor(name: str, inputs: PredictorInputs | None = None) -> Predict
     entry, inputs = get_predictor(name), inputs or PredictorInputs()
     if entry.needs_adapters and inputs.m2r2 is None:
         raise M2R2Error(f"the {name} expert predictor needs M2R2 adapters trained on the model")
+    if entry.needs_lookahead and inputs.lookahead is None:
+        raise M2R2Error(f"the {name} expert predictor needs lookahead adapters fitted to the model")
     if entry.needs_trace and inputs.trace is None:
         raise M2R2Error(f"the {name} expert predictor replays a recorded run: pass its trace (cache.trace)")
     return entry.build(inputs)

@@ -19,6 +19,7 @@ from ..models.registry import LoadedModel, cache_home
 from .blocks import moe_blocks
 from .cache import ExpertCache, parse_budget
 from .link import Link
+from .lookahead import LookaheadAdapters
 from .offload import offload_experts
 from .planner import PrefetchPlanner
 from .predictors import Predictor, PredictorInputs, build_predictor, get_predictor
@@ -69,8 +70,9 @@ def serve_with_budget(
         store = ExpertStore.export(lm.model, folder, force=True, release=True)
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         print(f"exported {len(store.layers)} MoE layers' experts: {size / 1e9:.2f} GB", file=sys.stderr)
+    lookahead = LookaheadAdapters.load(lm.path) if entry.needs_lookahead else None
     cache = offload_experts(lm.model, folder, budget, link=Link(link_gbps) if link_gbps is not None else None)
-    attach_predictor(cache, predictor, m2r2)
+    attach_predictor(cache, predictor, m2r2, lookahead=lookahead)
     return cache
 
 
@@ -80,11 +82,14 @@ def attach_predictor(
     m2r2: M2R2Model | None = None,
     intervals: int | None = None,
     trace: dict[tuple[int, int], list[int]] | None = None,
+    lookahead=None,
 ) -> Predictor:
     """The named predictor (predictors.PREDICTORS) attached to ``cache``, with a background loader where it loads
     ahead. ``m2r2``: the loaded adapters, for the M2R2 predictors; ``intervals``: how many gate intervals the
-    run-ahead fast stream runs in (default all); ``trace``: the recorded run the oracle replays."""
-    built = build_predictor(predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace))
+    run-ahead fast stream runs in (default all); ``trace``: the recorded run the oracle replays; ``lookahead``: the
+    model's lookahead adapters (lookahead.py)."""
+    inputs = PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace, lookahead=lookahead)
+    built = build_predictor(predictor, inputs)
     entry = get_predictor(predictor)
     if entry.loads_ahead:
         (DevicePrefetcher if cache.clock.modelled else Prefetcher)(cache)

@@ -1,0 +1,260 @@
+"""Lookahead adapters: a lead that costs what pre-gating costs, on the main model's own residual.
+
+Pre-gating feeds layer l's router input to layer l+1's router: one router matmul a layer, one layer of lead, which
+is too little where one expert's transfer takes two or more layers' compute. A lookahead adapter is a linear map
+per target layer t, from the router input of the MoE layer ``lead`` layers before it to t's router logits:
+
+    logits_t ~ x_(t - lead) @ A_t + b_t          (D x E: the size and cost of one router)
+
+fitted in closed form (ridge regression, towards t's own router, which is pre-gating at that distance) on the
+all-resident model's routing over training text. Targets in the first ``lead`` layers are predicted from the last
+layers of the previous token (the next token's router logits: the loads cross the token boundary), so every layer
+has a whole ``lead`` of layers to load in. The predictor (``LookaheadAdapterPredictor``, registry name
+``lookahead``) runs one map a layer and prefetches through the planner.
+
+    python -m m2r2_mlx.moe.lookahead MODEL [--ids train.npy --heldout heldout.npy]   # MODEL/lookahead.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import safetensors.numpy
+from tqdm.auto import tqdm
+
+from ..atomic import atomic_write_bytes, atomic_write_text
+from ..errors import M2R2Error, run_cli
+from .baselines import NoPrediction
+from .blocks import moe_blocks, top_k, top_scored
+from .cache import ExpertCache
+from .router_target import _Recorder
+
+FILE = "lookahead.safetensors"
+DEFAULT_LEAD = 3
+
+
+def _key(layer: int) -> str:
+    return f"layer{layer}"
+
+
+class LookaheadAdapters(nn.Module):
+    """One linear map per MoE layer t: the router input ``lead`` MoE layers earlier -> t's router logits."""
+
+    def __init__(self, layers: list[int], dims: int, experts: int, lead: int = DEFAULT_LEAD):
+        super().__init__()
+        if not 1 <= lead < len(layers):
+            raise M2R2Error(f"a lookahead lead must be 1 to {len(layers) - 1} MoE layers, got {lead}")
+        self.layers, self.lead = list(layers), lead
+        self.maps = {_key(t): nn.Linear(dims, experts) for t in layers}  # not digits: MLX reads those as list indices
+
+    def source(self, target_ordinal: int) -> tuple[int, int]:
+        """(source ordinal, token offset): where target ``target_ordinal`` is predicted from (-1: the previous
+        token)."""
+        j = target_ordinal - self.lead
+        return (j, 0) if j >= 0 else (j + len(self.layers), -1)
+
+    def __call__(self, target: int, x: mx.array) -> mx.array:
+        return self.maps[_key(target)](x)
+
+    def save(self, folder: Path, record: dict) -> Path:
+        path = Path(folder) / FILE
+        tensors = {f"{t}.{k}": np.ascontiguousarray(v) for t, m in self.maps.items() for k, v in m.parameters().items()}
+        meta = {"layers": json.dumps(self.layers), "lead": str(self.lead)}
+        atomic_write_bytes(path, safetensors.numpy.save(tensors, metadata=meta))
+        atomic_write_text(path.with_suffix(".json"), json.dumps(record, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, folder: Path) -> "LookaheadAdapters":
+        path = Path(folder) / FILE
+        if not path.is_file():
+            raise M2R2Error(f"no lookahead adapters in {folder}; train them with python -m m2r2_mlx.moe.lookahead")
+        try:
+            weights, meta = mx.load(str(path), return_metadata=True)
+            layers, lead = json.loads(meta["layers"]), int(meta["lead"])
+            first = weights[f"{_key(layers[0])}.weight"]
+            out = cls(layers, first.shape[1], first.shape[0], lead)
+            out.load_weights([(f"maps.{k}", v) for k, v in weights.items()])
+            mx.eval(out.parameters())  # read now: MLX loads lazily, and the file may change later
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise M2R2Error(f"{path} is damaged or not lookahead adapters ({e}); train them again") from None
+        return out
+
+
+def _routed(model, blocks: dict[int, nn.Module], ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each MoE layer's router (input, logits) over a batch of rows: (B, T, D) and (B, T, E), float32 numpy."""
+    recorders = {l: _Recorder(b.gate) for l, b in blocks.items()}
+    for l, b in blocks.items():
+        b.gate, recorders[l].on = recorders[l], True
+    try:
+        model(mx.array(ids))
+    finally:
+        for l, b in blocks.items():
+            b.gate = recorders[l].gate
+    out = {}
+    for l, r in recorders.items():
+        x, z = r.seen[0]
+        shape = (*ids.shape, -1)  # some blocks flatten the tokens before their router
+        out[l] = (np.array(x.astype(mx.float32)).reshape(shape), np.array(z.astype(mx.float32)).reshape(shape))
+    return out
+
+
+def _pairs(adapters: LookaheadAdapters, routed, ordinal_of: list[int], t: int):
+    """(inputs, target logits) for target layer ``t``: the source layer's router input, shifted one token where
+    the source is the previous token's."""
+    j, offset = adapters.source(ordinal_of.index(t))
+    x, z = routed[ordinal_of[j]][0], routed[t][1]
+    if offset:
+        x, z = x[:, :-1], z[:, 1:]
+    return x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
+
+
+def train_lookahead(
+    lm,
+    ids: np.ndarray,
+    heldout: np.ndarray,
+    lead: int = DEFAULT_LEAD,
+    ridge: float = 1.0,
+    seq_len: int = 128,
+    batch: int = 8,
+    progress: bool = True,
+) -> tuple[LookaheadAdapters, dict]:
+    """Fit lookahead adapters on ``ids`` (token ids) by ridge regression towards each target's own router; the
+    record holds held-out top-k recall beside pre-gating's at the same lead and at one layer."""
+    blocks = dict(moe_blocks(lm.model))
+    if not blocks or any(not isinstance(b.gate, nn.Linear) or top_k(b) is None for b in blocks.values()):
+        raise M2R2Error("lookahead adapters need a mixture-of-experts model with linear top-k routers")
+    layers = sorted(blocks)
+    gate0 = blocks[layers[0]].gate.weight
+    adapters = LookaheadAdapters(layers, gate0.shape[1], gate0.shape[0], lead)
+    rows = ids.reshape(-1)[: ids.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)
+    d = gate0.shape[1]
+    xtx = {t: np.zeros((d + 1, d + 1)) for t in layers}
+    xtz = {t: np.zeros((d + 1, gate0.shape[0])) for t in layers}
+    for b in tqdm(range(0, len(rows), batch), desc="lookahead adapters", unit="batch", disable=not progress):
+        routed = _routed(lm.model, blocks, rows[b : b + batch])
+        for t in layers:
+            x, z = _pairs(adapters, routed, layers, t)
+            x = np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1).astype(np.float64)
+            xtx[t] += x.T @ x
+            xtz[t] += x.T @ z
+    for t in layers:
+        g = blocks[t].gate
+        prior = np.concatenate([np.array(g.weight.astype(mx.float32)).T, np.zeros((1, g.weight.shape[0]))], 0)
+        scale = ridge * np.trace(xtx[t]) / (d + 1)  # relative to the inputs' energy
+        w = np.linalg.solve(xtx[t] + scale * np.eye(d + 1), xtz[t] + scale * prior)
+        adapters.maps[_key(t)].weight = mx.array(w[:-1].T.astype(np.float32))
+        adapters.maps[_key(t)].bias = mx.array(w[-1].astype(np.float32))
+    record = {"lead": lead, "ridge": ridge, "train_tokens": int(rows.size), **evaluate(lm, adapters, heldout, seq_len)}
+    return adapters, record
+
+
+def evaluate(lm, adapters: LookaheadAdapters, heldout: np.ndarray, seq_len: int = 128) -> dict:
+    """Held-out top-k recall: the adapters at their lead, the target's router at the same lead (pre-gating that
+    far ahead) and at one layer (pre-gating)."""
+    blocks = dict(moe_blocks(lm.model))
+    layers = sorted(blocks)
+    rows = heldout.reshape(-1)[: heldout.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)[:8]
+    routed = _routed(lm.model, blocks, rows)
+    recall = {"adapters": [], "router_same_lead": [], "pregating_next_layer": []}
+    for i, t in enumerate(layers):
+        k = top_k(blocks[t])
+        x, z = _pairs(adapters, routed, layers, t)
+        true = np.argsort(-z, -1)[:, :k]
+        picks = {
+            "adapters": np.array(adapters(t, mx.array(x))),
+            "router_same_lead": np.array(blocks[t].gate(mx.array(x))),
+        }
+        if i > 0:
+            prev = routed[layers[i - 1]][0].reshape(-1, x.shape[-1])
+            picks["pregating_next_layer"] = np.array(blocks[t].gate(mx.array(prev)))
+            true_here = np.argsort(-routed[t][1].reshape(-1, z.shape[-1]), -1)[:, :k]
+        for name, logits in picks.items():
+            ref = true_here if name == "pregating_next_layer" else true
+            pick = np.argsort(-logits, -1)[:, :k]
+            recall[name].append(np.mean([len(set(p) & set(r)) / k for p, r in zip(pick, ref)]))
+    return {f"recall_{k}": float(np.mean(v)) for k, v in recall.items()}
+
+
+class LookaheadAdapterPredictor(NoPrediction):
+    """At each MoE layer of a decode step, the lookahead adapter of the layer ``lead`` ahead (into the next token's
+    first layers from the last ones): its experts go to the planner (a ``Predictor``)."""
+
+    def __init__(self, adapters: LookaheadAdapters):
+        super().__init__()
+        self.adapters = adapters
+
+    def attach(self, cache: ExpertCache) -> "LookaheadAdapterPredictor":
+        if cache.layers != self.adapters.layers:
+            raise M2R2Error(
+                f"these lookahead adapters were fitted to MoE layers {self.adapters.layers}, the model has "
+                f"{cache.layers}; fit them to this model"
+            )
+        self.cache = cache
+        cache.add_listener(self.on_layer)
+        return self
+
+    def detach(self) -> None:
+        if self.cache is not None:
+            self.cache.remove_listener(self.on_layer)
+            self.cache = None
+
+    def on_layer(self, layer: int, x: mx.array) -> None:
+        cache = self.cache
+        if x.shape[0] != 1:
+            return  # a prompt's pass loads on demand
+        n, j = len(cache.layers), cache.ordinal(layer) + self.adapters.lead
+        step, target = cache.step + j // n, cache.layers[j % n]
+        if cache.planner is not None and not cache.planner.wants(target):
+            return
+        probs = mx.softmax(self.adapters(target, x).astype(mx.float32), axis=-1)
+        experts, scores = top_scored(np.array(probs)[0], cache.top_k(target))
+        cache.prefetch(target, experts, step=step, scores=scores)
+
+
+def ensure_lookahead(lm, folder: Path, progress: bool = True) -> LookaheadAdapters:
+    """The model folder's lookahead adapters, fitted first (seconds) on its train.npy where missing."""
+    folder = Path(folder)
+    if not (folder / FILE).is_file():
+        train, held = folder / "train.npy", folder / "heldout.npy"
+        if not train.is_file() or not held.is_file():
+            raise M2R2Error(f"{folder} has no lookahead adapters and no train.npy/heldout.npy to fit them on")
+        adapters, record = train_lookahead(lm, np.load(train)[:16384], np.load(held), progress=progress)
+        adapters.save(folder, record)
+    return LookaheadAdapters.load(folder)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m m2r2_mlx.moe.lookahead", description=__doc__.split("\n")[0])
+    p.add_argument("model", type=Path, help="an MoE model folder (the adapters are written into it)")
+    p.add_argument("--ids", type=Path, default=None, help="training token ids (.npy; default MODEL/train.npy)")
+    p.add_argument("--heldout", type=Path, default=None, help="held-out ids (.npy; default MODEL/heldout.npy)")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--lead", type=int, default=DEFAULT_LEAD, help="MoE layers between prediction and use")
+    p.add_argument("--ridge", type=float, default=1.0, help="pull towards the target's own router")
+    args = p.parse_args(argv)
+
+    def body() -> int:
+        from ..models.registry import load_model
+
+        ids, held = args.ids or args.model / "train.npy", args.heldout or args.model / "heldout.npy"
+        for path in (ids, held):
+            if not path.is_file():
+                raise M2R2Error(f"{path} not found; pass --ids and --heldout token ids (.npy)")
+        lm = load_model(str(args.model), tokenizer=False)
+        adapters, record = train_lookahead(lm, np.load(ids)[: args.tokens], np.load(held), args.lead, args.ridge)
+        print(json.dumps(record), file=sys.stdout)
+        print(f"wrote {adapters.save(args.model, record)}", file=sys.stderr)
+        return 0
+
+    sys.exit(run_cli("python -m m2r2_mlx.moe.lookahead", body))
+
+
+if __name__ == "__main__":
+    main()
