@@ -261,7 +261,8 @@ def measure(
         link = device.device_link(timer, store.expert_weights(), store.expert_bytes())
     model, cache, predictor = setup(config, method, budget, store, link, timer, traces)
     record = cache is not None and not traces
-    with metered(timer, device.metering) if device else nullcontext():
+    pricing = device.metering(store.expert_weights(), model.args.hidden_size) if device else None
+    with metered(timer, pricing) if device else nullcontext():
         return _decode_rows(config, method, budget, model, cache, predictor, prompts, reference, traces, record, timer)
 
 

@@ -1,14 +1,18 @@
 """Charging a real forward pass to a ``DeviceClock``: each op the model calls, at the device's roofline.
 
-``with metered(clock, weight_bytes=0.5625):`` every call of an mlx-lm projection (``Linear``, ``QuantizedLinear``,
-``SwitchLinear``, ``QuantizedSwitchLinear``), embedding (and tied head), attention kernel and norm inside the block
-advances the clock's compute stream by that op's time on the device, in the order the model calls them. An op's
-bytes are the weights it reads, as the device stores them (``weight_bytes`` per weight: a 4-bit model on a laptop
-reads 0.5625 bytes a weight whatever this machine holds; None: the bytes held here), plus the KV cache an attention
-reads (``kv_bytes`` per element); its FLOPs are 2 per weight per row. A gathered expert matmul reads each distinct
-expert once, however many rows use it (a fused row rides free of bytes). The kernels a decoder layer launches that
-are not metered one by one (rope, cache writes, residual adds, activations, the router's softmax, top-k and combine)
-are charged as ``other_kernels`` launches with each norm.
+``with metered(clock, Metering(weight_bytes=0.5625)):`` every call of an mlx-lm projection (``Linear``,
+``QuantizedLinear``, ``SwitchLinear``, ``QuantizedSwitchLinear``), embedding (and tied head), attention kernel and
+norm inside the block advances the clock's compute stream by that op's time on the device, in the order the model
+calls them. An op's bytes are the weights it reads, as the device stores them (``weight_bytes`` per weight: a 4-bit
+model on a laptop reads 0.5625 bytes a weight whatever this machine holds; None: the bytes held here), plus the KV
+cache an attention reads (``kv_bytes`` per element); its FLOPs are 2 per weight per row. A gathered expert matmul
+reads each distinct expert once, however many rows use it (a fused row rides free of bytes). The kernels a decoder
+layer launches that are not metered one by one (rope, cache writes, residual adds, activations, the router's
+softmax, top-k and combine) are charged as ``other_kernels`` launches with each norm.
+
+A small stand-in model can be priced at a deployed model's scale: every decoder-layer weight as ``weight_scale``
+weights (the ratio of their experts' sizes), the embedding, head and KV cache ``width_scale`` wider (the ratio of
+their hidden sizes). The routes, and so every cache decision, stay the stand-in's own.
 
 The patch is process-wide while the block runs (the classes' ``__call__``), so a device-clock run must not share
 the process with other decoding threads.
@@ -36,6 +40,8 @@ class Metering:
     weight_bytes: float | None = None  # bytes per weight on the device (None: as held here)
     kv_bytes: float | None = None  # bytes per KV-cache element on the device (None: as held here)
     other_kernels: int = 7  # unmetered kernels charged with each norm (two norms per decoder layer)
+    weight_scale: float = 1.0  # each decoder-layer weight priced as this many (a stand-in at a larger model's scale)
+    width_scale: float = 1.0  # embedding, head and KV cache priced this much wider
 
 
 def _weights(module: nn.Module, per_expert: bool = False) -> tuple[int, int]:
@@ -54,8 +60,9 @@ class _Meter:
     def __init__(self, clock: DeviceClock, m: Metering):
         self.clock, self.m = clock, m
 
-    def weights(self, count: int, held: int) -> float:
-        return held if self.m.weight_bytes is None else count * self.m.weight_bytes
+    def weights(self, count: int, held: int, scale: float | None = None) -> float:
+        scale = self.m.weight_scale if scale is None else scale
+        return scale * (held if self.m.weight_bytes is None else count * self.m.weight_bytes)
 
     def matmul(self, module: nn.Module, x: mx.array) -> None:
         count, held = _weights(module)
@@ -67,16 +74,16 @@ class _Meter:
     def gathered(self, module: nn.Module, x: mx.array, indices: mx.array) -> None:
         count, held = _weights(module, per_expert=True)
         ids = np.array(indices)  # already on the host: the cache read the routes before this matmul
-        self.clock.op(len(np.unique(ids)) * self.weights(count, held), 2 * ids.size * count)
+        self.clock.op(len(np.unique(ids)) * self.weights(count, held), 2 * ids.size * count * self.m.weight_scale)
 
     def embedding(self, module: nn.Module, x: mx.array) -> None:
         dims = module["weight"].shape[-1] * (32 // module.bits if "scales" in module else 1)
-        self.clock.op(x.size * dims * (self.m.weight_bytes or module["weight"].dtype.size))
+        self.clock.op(x.size * dims * (self.m.weight_bytes or module["weight"].dtype.size) * self.m.width_scale)
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array) -> None:
-        per = self.m.kv_bytes or k.dtype.size
+        per = (self.m.kv_bytes or k.dtype.size) * self.m.width_scale
         b, h, lq, d = q.shape
-        self.clock.op((k.size + v.size) * per, 4 * b * h * lq * k.shape[-2] * d)
+        self.clock.op((k.size + v.size) * per, 4 * b * h * lq * k.shape[-2] * d * self.m.width_scale)
 
     def norm(self, x: mx.array) -> None:
         self.clock.op(2 * x.size * ACTIVATION_BYTES)
@@ -121,8 +128,8 @@ def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[Non
             count, held = self["weight"].size, self["weight"].nbytes
             if "scales" in self:
                 count = self["weight"].shape[0] * self["weight"].shape[1] * 32 // self.bits
-            rows = math.prod(x.shape[:-1])
-            clock.op(meter.weights(count, held), 2 * rows * count)
+            rows, s = math.prod(x.shape[:-1]), metering.width_scale
+            clock.op(meter.weights(count, held, s), 2 * rows * count * s)
             return f(self, x)
 
         return call

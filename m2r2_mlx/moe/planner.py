@@ -20,7 +20,9 @@ Eviction changes too: a prefetched expert evicts, in the policy's order, a resid
 prediction names for that layer, never one the current token used there (nor, as always, one the layer computes
 with now); where only named or current experts are left, the load is not made. So a prediction that carries
 nothing (random experts) is calibrated near chance, loses to the reuse of what it would evict, and the cache runs
-as on-demand LRU; a good one replaces exactly the experts the next step will not need.
+as on-demand LRU; a good one replaces exactly the experts the next step will not need. A load on demand must evict
+something: never an expert a pending prediction names while an unnamed one is resident, and among named ones the
+least likely (prediction-aware caching; the bench's Belady row is the on-demand optimum it is measured against).
 
 Decisions are made for decode steps (one token); a prompt's experts load on demand.
 """

@@ -22,7 +22,8 @@ Figures and sources (docs/moe.md has the same table):
   (stream synchronize plus a small device-to-host copy); PCIe 4.0 x16 from pinned memory at 25 GB/s effective
   with 10 us a transfer. Weights and KV cache in bfloat16.
 - cpu: this machine (2 cores, MLX's CPU backend with OpenBLAS, float32), measured by
-  ``python -m m2r2_mlx.moe.profiles``: a 64 MB float32 matrix-vector product for the bandwidth, a 1024^3 matmul
+  ``python -m m2r2_mlx.moe.profiles``: 48 decode-shaped float32 matrix-vector products (1536 x 576, 170 MB in all,
+  more than any cache holds) for the bandwidth, a 1024^3 matmul
   for the FLOP rate, a chain of small ops evaluated at once for the launch cost, a one-op evaluation read back to
   numpy for the round trip. Its link is the bench's default throttled link (0.5 GB/s, 0.05 ms), charged as is.
 """
@@ -55,6 +56,7 @@ class DeviceProfile:
     # the wall clock's emulation: one OLMoE-1B-7B expert's bytes and one layer's active weights (None: the link as is)
     expert_weights: float | None = None
     layer_weights: float | None = None
+    hidden: int | None = None  # the deployed model's hidden size (the device clock prices a stand-in at its width)
 
     @property
     def expert_ms(self) -> float:
@@ -85,15 +87,24 @@ class DeviceProfile:
         )
 
     def device_link(self, clock: DeviceClock, expert_weights: int | None, expert_bytes: int) -> DeviceLink:
-        """The clock's link for experts of ``expert_weights`` weights (None: packed, priced as held here) held here
-        in ``expert_bytes``."""
-        priced = self.weight_bytes is not None and expert_weights is not None
-        scale = expert_weights * self.weight_bytes / expert_bytes if priced else 1.0
-        return DeviceLink(clock, scale)
+        """The clock's link for a model whose experts hold ``expert_weights`` weights (None: packed) in
+        ``expert_bytes`` here: an expert moves as the deployed model's (``self.expert_weights`` at
+        ``weight_bytes``) where the profile names one, else at the device's bytes a weight, else as held."""
+        if self.weight_bytes is None or expert_weights is None:
+            return DeviceLink(clock, 1.0)
+        return DeviceLink(clock, (self.expert_weights or expert_weights) * self.weight_bytes / expert_bytes)
 
-    @property
-    def metering(self) -> Metering:
-        return Metering(weight_bytes=self.weight_bytes, kv_bytes=self.kv_bytes)
+    def metering(self, expert_weights: int | None, hidden: int) -> Metering:
+        """How the clock prices a model with experts of ``expert_weights`` weights and ``hidden`` dimensions: at the
+        deployed model's scale where the profile names one (a stand-in's routes, the deployment's sizes)."""
+        if self.expert_weights is None or expert_weights is None:
+            return Metering(weight_bytes=self.weight_bytes, kv_bytes=self.kv_bytes)
+        return Metering(
+            weight_bytes=self.weight_bytes,
+            kv_bytes=self.kv_bytes,
+            weight_scale=self.expert_weights / expert_weights,
+            width_scale=self.hidden / hidden,
+        )
 
 
 # OLMoE-1B-7B (16 layers; 64 experts of 3 x 2048 x 1024 weights, top-8; attention 4 x 2048^2 per layer):
@@ -114,6 +125,7 @@ PROFILES = {
         kv_bytes=2,
         expert_weights=_EXPERT_W,
         layer_weights=_LAYER_W,
+        hidden=2048,
     ),
     "pcie-gpu": DeviceProfile(
         "pcie-gpu",
@@ -129,6 +141,7 @@ PROFILES = {
         kv_bytes=2,
         expert_weights=_EXPERT_W,
         layer_weights=_LAYER_W,
+        hidden=2048,
     ),
     # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26)
     "cpu": DeviceProfile(
@@ -179,11 +192,12 @@ def measure_here() -> dict[str, float]:
     import mlx.core as mx
     import numpy as np
 
-    w, v = mx.random.normal((4096, 4096)), mx.random.normal((1, 4096))
+    # decode-shaped matrix-vector products over more weights than any cache holds, as a decode step reads them
+    ws, v = [mx.random.normal((1536, 576)) for _ in range(48)], mx.random.normal((1, 576))
     a, b = mx.random.normal((1024, 1024)), mx.random.normal((1024, 1024))
     x = mx.random.normal((1, 576))
-    mx.eval(w, v, a, b, x)
-    gbps = w.nbytes / _best(lambda: mx.eval(v @ w.T)) / 1e9
+    mx.eval(ws, v, a, b, x)
+    gbps = sum(w.nbytes for w in ws) / _best(lambda: mx.eval([v @ w.T for w in ws])) / 1e9
     tflops = 2 * 1024**3 / _best(lambda: mx.eval(a @ b)) / 1e12
 
     def chain(n: int):
