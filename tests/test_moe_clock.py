@@ -227,3 +227,19 @@ def test_lookahead_adapters_round_trip_and_predict_across_the_token_boundary(tmp
     last = len(cache.layers) - 1
     assert any(s == now + 1 and layer == cache.layers[0] for now, s, layer in seen)  # the next token's first layer
     assert last >= 2 and len(seen) == 9 * len(cache.layers)  # one target a layer at each of the 9 decode steps
+
+
+def test_an_op_kind_can_carry_its_own_fixed_cost_and_bandwidth_share():
+    c = DeviceClock(
+        bandwidth=1e9,
+        flops=1e12,
+        launch=1e-6,
+        sync=0,
+        link_bandwidth=1,
+        link_latency=0,
+        fixed={"rope": 1e-4},
+        shares={"gather": 0.5},
+    )
+    assert c.op_seconds(0, 0, "rope") == pytest.approx(1e-4)
+    assert c.op_seconds(1e6, 0, "gather") == pytest.approx(1e-6 + 2e-3)
+    assert c.op_seconds(1e6, 0, "matmul") == pytest.approx(1e-6 + 1e-3)

@@ -44,7 +44,9 @@ class DeviceClock:
     """A compute stream and one link channel on a profiled device; see the module docstring.
 
     ``bandwidth`` (bytes/s achieved by the device's kernels), ``flops`` (FLOP/s peak), ``launch`` and ``sync``
-    (seconds), ``link_bandwidth`` (bytes/s) and ``link_latency`` (seconds)."""
+    (seconds), ``link_bandwidth`` (bytes/s) and ``link_latency`` (seconds). ``fixed`` (seconds) and ``shares`` (of
+    ``bandwidth``) by op kind ("matmul", "gather", "attention", "rope", "norm", ...) override the launch cost and the
+    bandwidth where a device's kernels of that kind differ (a CPU's rope, its gathered matmuls)."""
 
     modelled = True
 
@@ -57,11 +59,14 @@ class DeviceClock:
         sync: float,
         link_bandwidth: float,
         link_latency: float,
+        fixed: dict[str, float] | None = None,
+        shares: dict[str, float] | None = None,
     ):
         if not (bandwidth > 0 and flops > 0 and link_bandwidth > 0) or min(launch, sync, link_latency) < 0:
             raise M2R2Error("a device clock needs positive bandwidths and FLOP rate, and non-negative costs")
         self.bandwidth, self.flops, self.launch, self.sync_s = bandwidth, flops, launch, sync
         self.link_bandwidth, self.link_latency = link_bandwidth, link_latency
+        self.fixed, self.shares = dict(fixed or {}), dict(shares or {})
         self.compute_t = 0.0  # the compute stream has run up to here
         self.link_free = 0.0  # the link channel is busy until here
         self.link_busy = 0.0  # seconds the channel has carried transfers
@@ -71,13 +76,14 @@ class DeviceClock:
     def now(self) -> float:
         return self.compute_t
 
-    def op_seconds(self, nbytes: float, flops: float) -> float:
-        """One op's duration: launch + the larger of its memory time and its compute time."""
-        return self.launch + max(nbytes / self.bandwidth, flops / self.flops)
+    def op_seconds(self, nbytes: float, flops: float, kind: str = "") -> float:
+        """One op's duration: its fixed cost + the larger of its memory time and its compute time."""
+        bandwidth = self.bandwidth * self.shares.get(kind, 1.0)
+        return self.fixed.get(kind, self.launch) + max(nbytes / bandwidth, flops / self.flops)
 
-    def op(self, nbytes: float, flops: float = 0.0) -> None:
-        """Run one op on the compute stream."""
-        self.compute_t += self.op_seconds(nbytes, flops)
+    def op(self, nbytes: float, flops: float = 0.0, kind: str = "") -> None:
+        """Run one op of ``kind`` on the compute stream."""
+        self.compute_t += self.op_seconds(nbytes, flops, kind)
         self.ops += 1
 
     def sync(self) -> None:

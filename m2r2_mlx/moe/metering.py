@@ -1,14 +1,16 @@
 """Charging a real forward pass to a ``DeviceClock``: each op the model calls, at the device's roofline.
 
 ``with metered(clock, Metering(weight_bytes=0.5625)):`` every call of an mlx-lm projection (``Linear``,
-``QuantizedLinear``, ``SwitchLinear``, ``QuantizedSwitchLinear``), embedding (and tied head), attention kernel and
-norm inside the block advances the clock's compute stream by that op's time on the device, in the order the model
-calls them. An op's bytes are the weights it reads, as the device stores them (``weight_bytes`` per weight: a 4-bit
-model on a laptop reads 0.5625 bytes a weight whatever this machine holds; None: the bytes held here), plus the KV
+``QuantizedLinear``, ``SwitchLinear``, ``QuantizedSwitchLinear``), embedding (and tied head), attention kernel,
+rotary embedding and norm inside the block advances the clock's compute stream by that op's time on the device, in
+the order the model calls them. An op's bytes are the weights it reads, as the device stores them (``weight_bytes``
+per weight: a 4-bit model on a laptop reads 0.5625 bytes a weight whatever this machine holds; None: as held), plus
+the KV
 cache an attention reads (``kv_bytes`` per element); its FLOPs are 2 per weight per row. A gathered expert matmul
 reads each distinct expert once, however many rows use it (a fused row rides free of bytes). The kernels a decoder
-layer launches that are not metered one by one (rope, cache writes, residual adds, activations, the router's
-softmax, top-k and combine) are charged as ``other_kernels`` launches with each norm.
+layer launches that are not metered one by one (cache writes, residual adds, activations, the router's softmax,
+top-k and combine) are charged as ``other_kernels`` launches with each norm. Each op has a kind ("matmul",
+"gather", "attention", "rope", "norm"), by which a device may price it differently (clock.py).
 
 A small stand-in model can be priced at a deployed model's scale: every decoder-layer weight as ``weight_scale``
 weights (the ratio of their experts' sizes), the embedding, head and KV cache ``width_scale`` wider (the ratio of
@@ -74,7 +76,8 @@ class _Meter:
     def gathered(self, module: nn.Module, x: mx.array, indices: mx.array) -> None:
         count, held = _weights(module, per_expert=True)
         ids = np.array(indices)  # already on the host: the cache read the routes before this matmul
-        self.clock.op(len(np.unique(ids)) * self.weights(count, held), 2 * ids.size * count * self.m.weight_scale)
+        nbytes = len(np.unique(ids)) * self.weights(count, held)
+        self.clock.op(nbytes, 2 * ids.size * count * self.m.weight_scale, "gather")
 
     def embedding(self, module: nn.Module, x: mx.array) -> None:
         dims = module["weight"].shape[-1] * (32 // module.bits if "scales" in module else 1)
@@ -83,12 +86,15 @@ class _Meter:
     def attention(self, q: mx.array, k: mx.array, v: mx.array) -> None:
         per = (self.m.kv_bytes or k.dtype.size) * self.m.width_scale
         b, h, lq, d = q.shape
-        self.clock.op((k.size + v.size) * per, 4 * b * h * lq * k.shape[-2] * d * self.m.width_scale)
+        self.clock.op((k.size + v.size) * per, 4 * b * h * lq * k.shape[-2] * d * self.m.width_scale, "attention")
 
     def norm(self, x: mx.array) -> None:
-        self.clock.op(2 * x.size * ACTIVATION_BYTES)
+        self.clock.op(2 * x.size * ACTIVATION_BYTES, kind="norm")
         for _ in range(self.m.other_kernels):
             self.clock.op(0)
+
+    def rope(self, x: mx.array) -> None:
+        self.clock.op(2 * x.size * ACTIVATION_BYTES, kind="rope")
 
 
 def _patch(stack: ExitStack, owner, name: str, wrapper) -> None:
@@ -129,7 +135,7 @@ def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[Non
             if "scales" in self:
                 count = self["weight"].shape[0] * self["weight"].shape[1] * 32 // self.bits
             rows, s = math.prod(x.shape[:-1]), metering.width_scale
-            clock.op(meter.weights(count, held, s), 2 * rows * count * s)
+            clock.op(meter.weights(count, held, s), 2 * rows * count * s, "matmul")
             return f(self, x)
 
         return call
@@ -148,6 +154,13 @@ def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[Non
 
         return call
 
+    def rope(f):
+        def call(x, *args, **kwargs):
+            meter.rope(x)
+            return f(x, *args, **kwargs)
+
+        return call
+
     with ExitStack() as stack:
         for cls in (nn.Linear, nn.QuantizedLinear):
             _patch(stack, cls, "__call__", linear)
@@ -158,4 +171,5 @@ def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[Non
             _patch(stack, cls, "as_linear", head)
         _patch(stack, nn.RMSNorm, "__call__", norm)
         _patch(stack, mx.fast, "scaled_dot_product_attention", sdpa)
+        _patch(stack, mx.fast, "rope", rope)
         yield

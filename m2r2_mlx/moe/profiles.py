@@ -57,6 +57,8 @@ class DeviceProfile:
     expert_weights: float | None = None
     layer_weights: float | None = None
     hidden: int | None = None  # the deployed model's hidden size (the device clock prices a stand-in at its width)
+    fixed_us: tuple[tuple[str, float], ...] = ()  # a fixed cost by op kind, where it is not launch_us
+    shares: tuple[tuple[str, float], ...] = ()  # of the reached bandwidth, by op kind, where it is not all of it
 
     @property
     def expert_ms(self) -> float:
@@ -84,6 +86,8 @@ class DeviceProfile:
             sync=self.sync_us * 1e-6,
             link_bandwidth=self.link_gbps * 1e9,
             link_latency=self.latency_ms * 1e-3,
+            fixed={kind: us * 1e-6 for kind, us in self.fixed_us},
+            shares=dict(self.shares),
         )
 
     def device_link(self, clock: DeviceClock, expert_weights: int | None, expert_bytes: int) -> DeviceLink:
@@ -143,15 +147,16 @@ PROFILES = {
         layer_weights=_LAYER_W,
         hidden=2048,
     ),
-    # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26)
+    # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26; two runs: 9.28/9.92 GB/s, 35.5/36.1 GFLOP/s,
+    # 5.5/8.9 us a launch, 13/18 us a round trip)
     "cpu": DeviceProfile(
         "cpu",
         "this machine: 2 x86 cores, MLX's CPU backend, float32, the bench's default throttled link",
-        memory_gbps=10.0,
+        memory_gbps=9.6,
         bandwidth_share=1.0,
-        tflops=0.1,
-        launch_us=10.0,
-        sync_us=30.0,
+        tflops=0.036,
+        launch_us=7.0,
+        sync_us=15.0,
         link_gbps=0.5,
         latency_ms=0.05,
         weight_bytes=None,
@@ -192,13 +197,29 @@ def measure_here() -> dict[str, float]:
     import mlx.core as mx
     import numpy as np
 
-    # decode-shaped matrix-vector products over more weights than any cache holds, as a decode step reads them
-    ws, v = [mx.random.normal((1536, 576)) for _ in range(48)], mx.random.normal((1, 576))
+    v, x = mx.random.normal((1, 576)), mx.random.normal((1, 576))
+    # decode-shaped matrix-vector products over more weights than any cache holds, as a decode step reads them:
+    # time = fixed + bytes / bandwidth, fitted over the shapes a small model's layers have
+    sizes, times = [], []
+    for rows in (192, 576, 1536, 4096):
+        ws = [mx.random.normal((rows, 576)) for _ in range(max(8, int(150e6 / (rows * 576 * 4))))]
+        mx.eval(ws)
+        sizes.append(ws[0].nbytes)
+        times.append(_best(lambda: mx.eval([v @ w.T for w in ws])) / len(ws))
+    slope, fixed = np.polyfit(sizes, times, 1)
+    experts = [mx.random.normal((16, 96, 576)) for _ in range(40)]
+    picked, xg = mx.array([[1, 5, 9, 13]]).astype(mx.uint32), x.reshape(1, 1, 1, 576)
+    mx.eval(experts)
+    gather = _best(lambda: mx.eval([mx.gather_mm(xg, e.swapaxes(-1, -2), rhs_indices=picked) for e in experts]))
+    gather_gbps = 40 * 4 * experts[0][0].nbytes / gather / 1e9
     a, b = mx.random.normal((1024, 1024)), mx.random.normal((1024, 1024))
-    x = mx.random.normal((1, 576))
-    mx.eval(ws, v, a, b, x)
-    gbps = sum(w.nbytes for w in ws) / _best(lambda: mx.eval([v @ w.T for w in ws])) / 1e9
+    q, kv = [mx.random.normal((1, 9, 1, 64)) for _ in range(60)], [mx.random.normal((1, 3, 64, 64)) for _ in range(60)]
+    mx.eval(a, b, q, kv)
     tflops = 2 * 1024**3 / _best(lambda: mx.eval(a @ b)) / 1e12
+    attention = _best(
+        lambda: mx.eval([mx.fast.scaled_dot_product_attention(y, k, k, scale=0.125) for y, k in zip(q, kv)])
+    )
+    rope = _best(lambda: mx.eval([mx.fast.rope(y, 64, traditional=False, base=1e4, scale=1.0, offset=50) for y in q]))
 
     def chain(n: int):
         y = x
@@ -208,7 +229,17 @@ def measure_here() -> dict[str, float]:
 
     launch = (_best(lambda: chain(400)) - _best(lambda: chain(200))) / 400  # two ops a link, the fixed part cancels
     sync = _best(lambda: np.array(x + 1.0)) - launch
-    return {"memory_gbps": gbps, "tflops": tflops, "launch_us": 1e6 * launch, "sync_us": 1e6 * sync}
+    gbps = 1 / slope / 1e9
+    return {
+        "memory_gbps": gbps,
+        "matmul_fixed_us": 1e6 * fixed,
+        "gather_share": gather_gbps / gbps,
+        "attention_us": 1e6 * attention / 60,
+        "rope_us": 1e6 * rope / 60,
+        "tflops": tflops,
+        "launch_us": 1e6 * launch,
+        "sync_us": 1e6 * sync,
+    }
 
 
 def main() -> None:
