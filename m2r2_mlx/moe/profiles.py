@@ -147,20 +147,22 @@ PROFILES = {
         layer_weights=_LAYER_W,
         hidden=2048,
     ),
-    # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26; two runs: 9.28/9.92 GB/s, 35.5/36.1 GFLOP/s,
-    # 5.5/8.9 us a launch, 13/18 us a round trip)
+    # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26): medians of five runs (the machine is noisy:
+    # 8.5-10.9 GB/s, rope 85-178 us)
     "cpu": DeviceProfile(
         "cpu",
         "this machine: 2 x86 cores, MLX's CPU backend, float32, the bench's default throttled link",
-        memory_gbps=9.6,
+        memory_gbps=10.3,
         bandwidth_share=1.0,
-        tflops=0.036,
-        launch_us=7.0,
-        sync_us=15.0,
+        tflops=0.035,
+        launch_us=7.4,
+        sync_us=17.0,
         link_gbps=0.5,
         latency_ms=0.05,
         weight_bytes=None,
         kv_bytes=None,
+        fixed_us=(("matmul", 10.2), ("attention", 75.0), ("rope", 125.0)),
+        shares=(("gather", 0.70),),
     ),
 }
 
