@@ -4,6 +4,7 @@ tokens as they were and detaches cleanly; a wrong name, or a missing input, is o
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, moe_blocks, offload_experts
+from m2r2_mlx.moe.lookahead import LookaheadAdapters
 from m2r2_mlx.moe.predictors import PREDICTORS, Predictor, PredictorInputs, build_predictor, get_predictor
 from m2r2_mlx.moe.serve import attach_predictor, serve_with_budget
 
@@ -37,13 +38,16 @@ def test_every_entry_builds_a_predictor_that_leaves_the_tokens_and_detaches(stor
     cache = offload_experts(lm.model, store, 0.5)
     before = _shape(lm.model)
     m2r2 = _m2r2(lm) if entry.needs_adapters else None
-    assert isinstance(build_predictor(name, PredictorInputs(m2r2=m2r2, trace={})), Predictor)  # unattached
+    layers = [l for l, _ in moe_blocks(lm.model)]
+    lookahead = LookaheadAdapters(layers, 64, 8, lead=2) if entry.needs_lookahead else None
+    inputs = PredictorInputs(m2r2=m2r2, trace={}, lookahead=lookahead)
+    assert isinstance(build_predictor(name, inputs), Predictor)  # unattached
     trace = None
     if entry.needs_trace:  # a run recorded first, then replayed
         cache.trace = {}
         greedy(lm.model, PROMPT, 5, on_prefilled=cache.reset)
         trace = dict(cache.trace)
-    predictor = attach_predictor(cache, name, m2r2, trace=trace)  # as serve_with_budget and the bench do
+    predictor = attach_predictor(cache, name, m2r2, trace=trace, lookahead=lookahead)  # as serving and the bench do
     try:
         assert isinstance(predictor, Predictor) and predictor.cache is cache
         assert (cache.prefetcher is not None) == entry.loads_ahead
@@ -85,5 +89,5 @@ def test_fused_rows_refuse_lora_adapters():
 
 def test_the_bench_runs_every_predictor_that_needs_no_recorded_run():
     runnable = [n for n, e in PREDICTORS.items() if n != "none" and not e.needs_trace]
-    assert METHODS == ("resident", "lru", *runnable)
+    assert METHODS == ("resident", "lru", *runnable, "belady", "oracle")  # the bounds replay the LRU row's routes
     assert set(LABELS) == set(METHODS)
