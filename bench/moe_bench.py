@@ -23,37 +23,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
-from m2r2_mlx.core.adapters import load_adapters
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
-from m2r2_mlx.moe import CacheStats, ExpertStore, Link, Oracle, offload_experts
+from m2r2_mlx.moe import ExpertStore, Link
 from m2r2_mlx.moe.cache import resolve_slots
-from m2r2_mlx.moe.clock import Clock, WallClock
-from m2r2_mlx.moe.lookahead import ensure_lookahead
-from m2r2_mlx.moe.metering import metered
 from m2r2_mlx.moe.predictors import PREDICTORS
-from m2r2_mlx.moe.prefetch import DevicePrefetcher, Prefetcher
 from m2r2_mlx.moe.profiles import PROFILES, DeviceProfile, get_profile, link_for
-from m2r2_mlx.moe.serve import attach_predictor, store_folder
+from m2r2_mlx.moe.serve import store_folder
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 from tqdm.auto import tqdm
 
 from .moe_bench_build import COMMAND, DEFAULT_MODEL, BenchModelBuild, build_model, is_built
 from .moe_bench_report import write_report
+from .moe_rows import BOUNDS, ORACLE_LOOKAHEAD, BenchRun, measure, measure_row
 
-ORACLE_LOOKAHEAD = 4  # MoE layers the true-routes prefetch runs ahead (into the next token's first layers)
 # every registered predictor that needs no recorded run; on-demand loading is the "lru" row
 PREDICTED = tuple(name for name, e in PREDICTORS.items() if name != "none" and not e.needs_trace)
-# offline bounds from the true routes (recorded by the first cached row of the same prompts): they run last
-BOUNDS = ("belady", "oracle")
 METHODS = ("resident", "lru", *PREDICTED, *BOUNDS)
 LABELS = {
     "resident": "all resident",
@@ -205,141 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None, clock: Clock = WallClock()) -> tuple[list[int], float]:
-    """Greedy tokens and the decode time on ``clock`` (prefill excluded)."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt[None].astype(np.int32)), cache=cache)
-    tok = int(mx.argmax(logits[0, -1]).item())
-    if on_prefilled:
-        on_prefilled()
-    out, start = [tok], clock.now()
-    for _ in range(n - 1):
-        logits = model(mx.array([[tok]]), cache=cache)
-        tok = int(mx.argmax(logits[0, -1]).item())
-        if clock.modelled:
-            clock.sync()  # the token read back
-        out.append(tok)
-    return out, clock.now() - start
-
-
-def setup(config: MoEBenchConfig, method: str, budget: float, store: ExpertStore, link, clock: Clock, traces: list):
-    """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor)."""
-    lm = load_model(config.model, tokenizer=False)  # token ids in, token ids out
-    if method == "resident":
-        return lm.model, None, None
-    cache = offload_experts(lm.model, store, budget / 100, policy=config.policy, link=link, clock=clock)
-    if method == "belady":
-        return lm.model, cache, attach_predictor(cache, "none")
-    if method == "oracle":
-        oracle = Oracle(traces[0], lookahead=ORACLE_LOOKAHEAD)
-        (DevicePrefetcher if clock.modelled else Prefetcher)(cache)
-        return lm.model, cache, oracle.attach(cache)
-    name = "none" if method == "lru" else method
-    m2r2 = load_adapters(lm, config.adapters) if PREDICTORS[name].needs_adapters else None
-    lookahead = ensure_lookahead(lm, Path(config.model)) if PREDICTORS[name].needs_lookahead else None
-    return lm.model, cache, attach_predictor(cache, name, m2r2, config.m2r2_intervals, lookahead=lookahead)
-
-
-def measure(
-    config: MoEBenchConfig,
-    method: str,
-    budget: float,
-    store,
-    link,
-    prompts,
-    reference: dict,
-    traces: list,
-    clock="wall",
-) -> dict:
-    """One row: decode tokens/s and the cache's counters over ``prompts``, tokens checked against ``reference``.
-
-    ``clock``: "wall" (``link`` throttles by sleeping) or "device" (the config's device profile, modelled). The
-    first cached row records each prompt's routes into ``traces``; the bound rows replay them."""
-    device = config.device if clock == "device" else None
-    timer = device.clock() if device else WallClock()
-    if device:
-        link = device.device_link(timer, store.expert_weights(), store.expert_bytes())
-    model, cache, predictor = setup(config, method, budget, store, link, timer, traces)
-    record = cache is not None and not traces
-    pricing = device.metering(store.expert_weights(), model.args.hidden_size) if device else None
-    with metered(timer, pricing) if device else nullcontext():
-        return _decode_rows(config, method, budget, model, cache, predictor, prompts, reference, traces, record, timer)
-
-
-def _decode_rows(config, method, budget, model, cache, predictor, prompts, reference, traces, record, timer) -> dict:
-    greedy(model, prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
-    fast = predictor is not None and predictor.fast_layer_passes is not None
-    p_i = 0
-
-    def measure_from_here():  # after each prompt's prefill: count decode steps only
-        if cache:
-            cache.reset()
-            if record:
-                cache.trace = {}
-            if method in BOUNDS:
-                cache.set_future(traces[p_i])
-            if method == "oracle":
-                predictor.trace = traces[p_i]
-        if fast:
-            predictor.fast_layer_passes = 0
-
-    stats, passes, tokens, seconds, same = CacheStats(), 0, 0, [], True
-    for p_i, prompt in enumerate(prompts):
-        out, dt = greedy(model, prompt, config.max_tokens, on_prefilled=measure_from_here, clock=timer)
-        if record:
-            traces.append(dict(cache.trace))
-        if method == "resident":
-            reference[p_i] = out
-        same &= reference[p_i] == out
-        seconds.append(dt)
-        tokens += len(out) - 1
-        if cache:
-            stats.add(cache.stats)
-        if fast:
-            passes += predictor.fast_layer_passes
-    row = {
-        "method": method,
-        "budget": budget,
-        "tokens": tokens,
-        "decode_s": sum(seconds),
-        "tokens_per_s": tokens / sum(seconds),
-        "same_as_resident": same,
-    }
-    if cache:
-        row.update(
-            hit_rate=stats.hit_rate,
-            precision=stats.precision if stats.total("predicted") else None,
-            recall=stats.recall if stats.total("used_when_predicted") else None,
-            mb_per_token=stats.bytes_per_token / 1e6,
-            loads_per_token=stats.loads_per_token,
-            stall_ms_per_token=1e3 * stats.stall_per_token_s,
-            slots=f"{min(cache.slots_per_layer.values())}/{cache.num_experts(cache.layers[0])}",
-        )
-        if fast:
-            row["fast_layer_passes_per_token"] = passes / max(1, stats.tokens)
-        if cache.planner is not None and cache.planner.governor is not None:
-            row["governor"] = cache.planner.governor.summary()  # the predictor's measured cost and savings
-        cache.close()
-    return row
-
-
-DEVICE_KEYS = ("tokens_per_s", "stall_ms_per_token", "hit_rate", "loads_per_token", "mb_per_token", "decode_s")
-
-
-def measure_row(config: MoEBenchConfig, method: str, budget: float, store, link, prompts, reference, traces) -> dict:
-    """One method at one budget on each of the config's clocks: the device clock's figures as ``device_*`` (and
-    its counters where the wall clock does not run), the wall clock's under the plain names."""
-    rows = {c: measure(config, method, budget, store, link, prompts, reference, traces, c) for c in config.clocks}
-    row = dict(rows.get("wall") or {**rows["device"], "tokens_per_s": None, "stall_ms_per_token": None})
-    if "device" in rows:
-        row.update({f"device_{k}": rows["device"][k] for k in DEVICE_KEYS if k in rows["device"]})
-        row["same_as_resident"] = all(r["same_as_resident"] for r in rows.values())
-        for k in ("precision", "recall", "governor", "fast_layer_passes_per_token"):
-            if k in rows["device"]:
-                row[f"device_{k}"] = rows["device"][k]
-    return row
-
-
 def with_vs_lru(
     rows: list[dict], key: str = "budget", compute_ms: float | None = None, expert_ms: dict | None = None
 ) -> list[dict]:
@@ -385,13 +240,13 @@ def run(config: MoEBenchConfig) -> dict:
     prompts = [ids[i * stride : i * stride + span] for i in range(config.num_prompts)]
     store, num_layers = open_store(config)
 
-    reference, traces = {}, []
+    bench = BenchRun(config, store, prompts)
     plain = [m for m in config.methods if m not in ("resident", *BOUNDS)]
     cached = plain + [m for m in BOUNDS if m in config.methods]  # the bounds replay routes a plain row recorded
     runs = len(config.clocks) * (1 + len(config.budgets) * len(cached))
     bar = tqdm(total=runs * len(prompts) + len(config.regime_ratios) * len(plain), desc="moe bench", unit="run")
     # all experts resident: the tokens every other row is checked against, and this machine's compute
-    resident = measure_row(config, "resident", 100.0, store, None, prompts, reference, traces)
+    resident = measure_row(bench, "resident", 100.0, None)
     bar.update(len(config.clocks) * len(prompts))
     # one layer's compute on this machine: the all-resident decode step shared over the layers
     layer_ms = 1e3 / (resident["tokens_per_s"] or resident["device_tokens_per_s"]) / num_layers
@@ -406,15 +261,15 @@ def run(config: MoEBenchConfig) -> dict:
     for b in config.budgets:
         for m in cached:
             bar.set_postfix_str(f"{m} {b:g}%")
-            rows.append(measure_row(config, m, b, store, fresh(link), prompts, reference, traces))
+            rows.append(measure_row(bench, m, b, fresh(link)))
             bar.update(len(config.clocks) * len(prompts))
     regime = []
     for r in config.regime_ratios:  # a transfer/compute ratio is the wall clock's emulation
         for m in plain:
             bar.set_postfix_str(f"ratio {r:g} {m}")
             link_r = link_for(r, store.expert_bytes(), layer_ms)
-            few = prompts[: config.regime_prompts]
-            row = measure(config, m, config.regime_budget, store, link_r, few, reference, traces, "wall")
+            few = BenchRun(config, store, prompts[: config.regime_prompts], bench.reference, bench.traces)
+            row = measure(few, m, config.regime_budget, link_r, "wall")
             regime.append({**row, "ratio": r})
             bar.update()
     bar.close()

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from m2r2_bench.moe_bench import MoEBenchConfig, greedy, numbers
+from m2r2_bench.moe_bench import MoEBenchConfig, numbers
+from m2r2_bench.moe_rows import greedy
 from tests.tiny import tiny_model
 
 BOUNDS3 = ("lru", "belady", "oracle")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from m2r2_bench.moe_bench import greedy
+from m2r2_bench.moe_rows import greedy
 from tests.test_moe_ahead_of_time import EXE, PROMPT, _tiny_olmoe_folder
 from tests.tiny import tiny_model
 

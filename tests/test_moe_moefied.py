@@ -28,7 +28,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 
-from m2r2_bench.moe_bench import greedy
+from m2r2_bench.moe_rows import greedy
 from m2r2_tools.moefy_layers import balanced_kmeans, layer_pass, moefy_layer
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2

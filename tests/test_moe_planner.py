@@ -16,7 +16,7 @@ from m2r2_mlx.moe import (
 import numpy as np
 import pytest
 
-from m2r2_bench.moe_bench import greedy
+from m2r2_bench.moe_rows import greedy
 from tests.tiny import tiny_model
 
 PROMPT = np.array([3, 17, 42, 8, 99, 23, 5, 61, 12, 7])

@@ -10,7 +10,8 @@ from m2r2_mlx.moe.serve import attach_predictor, serve_with_budget
 
 import pytest
 
-from m2r2_bench.moe_bench import LABELS, METHODS, greedy
+from m2r2_bench.moe_bench import LABELS, METHODS
+from m2r2_bench.moe_rows import greedy
 from tests.test_moe_ahead_of_time import PROMPT, _m2r2
 from tests.tiny import tiny_model
 

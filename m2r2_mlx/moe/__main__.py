@@ -1,16 +1,21 @@
 """python -m m2r2_mlx.moe export --model MODEL -o FOLDER [--force] | verify FOLDER
-python -m m2r2_mlx.moe adapters --model MODEL -o FOLDER (--text FILE ... | --ids IDS.npy) [--init ADAPTERS]"""
+python -m m2r2_mlx.moe adapters --model MODEL -o FOLDER (--text FILE ... | --ids IDS.npy) [--init ADAPTERS]
+python -m m2r2_mlx.moe lookahead MODEL [--ids train.npy --heldout heldout.npy] [--lead 3]"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 
+import numpy as np
+
 from ..errors import M2R2Error, run_cli
 from ..models.registry import load_model
+from .lookahead import DEFAULT_LEAD, train_lookahead
 from .router_adapters import RouterAdaptersSpec, train_router_adapters
 from .router_target import RouterTargetConfig
 from .store import ExpertStore
@@ -44,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-size", type=int, default=RouterTargetConfig.batch_size)
     a.add_argument("--temperature", type=float, default=RouterTargetConfig.temperature)
     a.add_argument("--force", action="store_true", help="replace an existing folder")
+    k = sub.add_parser("lookahead", help="fit lookahead adapters (MODEL/lookahead.safetensors; docs/moe.md)")
+    k.add_argument("model", type=Path, help="an MoE model folder (the adapters are written into it)")
+    k.add_argument("--ids", type=Path, default=None, help="training token ids (.npy; default MODEL/train.npy)")
+    k.add_argument("--heldout", type=Path, default=None, help="held-out ids (.npy; default MODEL/heldout.npy)")
+    k.add_argument("--tokens", type=int, default=16384, help="most training tokens read")
+    k.add_argument("--lead", type=int, default=DEFAULT_LEAD, help="MoE layers between prediction and use")
+    k.add_argument("--ridge", type=float, default=1.0, help="pull towards the target's own router")
     return p
 
 
@@ -58,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> None:
+        if args.command == "lookahead":
+            ids = args.ids or args.model / "train.npy"
+            held = args.heldout or args.model / "heldout.npy"
+            for path in (ids, held):
+                if not path.is_file():
+                    raise M2R2Error(f"{path} not found; pass --ids and --heldout token ids (.npy)")
+            lm = load_model(str(args.model), tokenizer=False)
+            adapters, record = train_lookahead(lm, np.load(ids)[: args.tokens], np.load(held), args.lead, args.ridge)
+            print(f"{adapters.save(args.model, record)}: {json.dumps(record)}")
+            return
         if args.command == "adapters":
             spec = RouterAdaptersSpec(
                 out=args.out,

@@ -53,9 +53,8 @@ class ExpertCache:
         self.slots_per_layer = resolve_slots(budget, store)
         self.budget = budget
         self.policies = {l: make_policy(policy) for l in self.layers}
-        self._uses: dict[int, dict[int, list[int]]] | None = (
-            None  # the true future (set_future): layer -> expert -> steps
-        )
+        # the true future (set_future): layer -> expert -> the steps it is used at
+        self._uses: dict[int, dict[int, list[int]]] | None = None
         self.slots: dict[int, dict[str, mx.array]] = {}  # layer -> parameter name -> (S, ...) tensor
         self._owner = {l: np.full(self.slots_per_layer[l], -1, np.int64) for l in self.layers}  # slot -> expert
         self._slot_of = {l: np.full(store.num_experts(l), -1, np.int32) for l in self.layers}  # expert -> slot

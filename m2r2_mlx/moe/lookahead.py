@@ -12,14 +12,12 @@ layers of the previous token (the next token's router logits: the loads cross th
 has a whole ``lead`` of layers to load in. The predictor (``LookaheadAdapterPredictor``, registry name
 ``lookahead``) runs one map a layer and prefetches through the planner.
 
-    python -m m2r2_mlx.moe.lookahead MODEL [--ids train.npy --heldout heldout.npy]   # MODEL/lookahead.safetensors
+    python -m m2r2_mlx.moe lookahead MODEL [--ids train.npy --heldout heldout.npy]   # MODEL/lookahead.safetensors
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +27,7 @@ import safetensors.numpy
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_bytes, atomic_write_text
-from ..errors import M2R2Error, run_cli
+from ..errors import M2R2Error
 from .baselines import NoPrediction
 from .blocks import moe_blocks, top_k, top_scored
 from .cache import ExpertCache
@@ -74,7 +72,7 @@ class LookaheadAdapters(nn.Module):
     def load(cls, folder: Path) -> "LookaheadAdapters":
         path = Path(folder) / FILE
         if not path.is_file():
-            raise M2R2Error(f"no lookahead adapters in {folder}; train them with python -m m2r2_mlx.moe.lookahead")
+            raise M2R2Error(f"no lookahead adapters in {folder}; fit them with python -m m2r2_mlx.moe lookahead MODEL")
         try:
             weights, meta = mx.load(str(path), return_metadata=True)
             layers, lead = json.loads(meta["layers"]), int(meta["lead"])
@@ -228,33 +226,3 @@ def ensure_lookahead(lm, folder: Path, progress: bool = True) -> LookaheadAdapte
         adapters, record = train_lookahead(lm, np.load(train)[:16384], np.load(held), progress=progress)
         adapters.save(folder, record)
     return LookaheadAdapters.load(folder)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m m2r2_mlx.moe.lookahead", description=__doc__.split("\n")[0])
-    p.add_argument("model", type=Path, help="an MoE model folder (the adapters are written into it)")
-    p.add_argument("--ids", type=Path, default=None, help="training token ids (.npy; default MODEL/train.npy)")
-    p.add_argument("--heldout", type=Path, default=None, help="held-out ids (.npy; default MODEL/heldout.npy)")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--lead", type=int, default=DEFAULT_LEAD, help="MoE layers between prediction and use")
-    p.add_argument("--ridge", type=float, default=1.0, help="pull towards the target's own router")
-    args = p.parse_args(argv)
-
-    def body() -> int:
-        from ..models.registry import load_model
-
-        ids, held = args.ids or args.model / "train.npy", args.heldout or args.model / "heldout.npy"
-        for path in (ids, held):
-            if not path.is_file():
-                raise M2R2Error(f"{path} not found; pass --ids and --heldout token ids (.npy)")
-        lm = load_model(str(args.model), tokenizer=False)
-        adapters, record = train_lookahead(lm, np.load(ids)[: args.tokens], np.load(held), args.lead, args.ridge)
-        print(json.dumps(record), file=sys.stdout)
-        print(f"wrote {adapters.save(args.model, record)}", file=sys.stderr)
-        return 0
-
-    sys.exit(run_cli("python -m m2r2_mlx.moe.lookahead", body))
-
-
-if __name__ == "__main__":
-    main()

@@ -79,7 +79,7 @@ PREDICTORS: dict[str, PredictorEntry] = {
             "lookahead",
             f"lookahead adapters ({DEFAULT_LEAD} layers ahead), planned",
             f"a router-sized linear map per layer from the residual {DEFAULT_LEAD} MoE layers earlier (across the "
-            "token boundary); planned (fitted to the model: python -m m2r2_mlx.moe.lookahead)",
+            "token boundary); planned (fitted to the model: python -m m2r2_mlx.moe lookahead MODEL)",
             lambda i: LookaheadAdapterPredictor(i.lookahead),
             needs_lookahead=True,
             planned=True,
