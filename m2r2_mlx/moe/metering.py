@@ -73,7 +73,7 @@ class _Meter:
             self.weights(count, held) + rows * (x.shape[-1] + count // x.shape[-1]) * ACTIVATION_BYTES, 2 * rows * count
         )
 
-    def gathered(self, module: nn.Module, x: mx.array, indices: mx.array) -> None:
+    def gathered(self, module: nn.Module, x: mx.array, indices: mx.array, *_) -> None:
         count, held = _weights(module, per_expert=True)
         ids = np.array(indices)  # already on the host: the cache read the routes before this matmul
         nbytes = len(np.unique(ids)) * self.weights(count, held)
@@ -83,93 +83,53 @@ class _Meter:
         dims = module["weight"].shape[-1] * (32 // module.bits if "scales" in module else 1)
         self.clock.op(x.size * dims * (self.m.weight_bytes or module["weight"].dtype.size) * self.m.width_scale)
 
-    def attention(self, q: mx.array, k: mx.array, v: mx.array) -> None:
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, *_) -> None:
         per = (self.m.kv_bytes or k.dtype.size) * self.m.width_scale
         b, h, lq, d = q.shape
         self.clock.op((k.size + v.size) * per, 4 * b * h * lq * k.shape[-2] * d * self.m.width_scale, "attention")
 
-    def norm(self, x: mx.array) -> None:
+    def norm(self, module: nn.Module, x: mx.array) -> None:
         self.clock.op(2 * x.size * ACTIVATION_BYTES, kind="norm")
         for _ in range(self.m.other_kernels):
             self.clock.op(0)
 
-    def rope(self, x: mx.array) -> None:
+    def head(self, module: nn.Module, x: mx.array) -> None:
+        """A tied head (the embedding as a linear map): its weights priced ``width_scale`` wider."""
+        count, held = _weights(module)
+        rows, s = math.prod(x.shape[:-1]), self.m.width_scale
+        self.clock.op(self.weights(count, held, s), 2 * rows * count * s, "matmul")
+
+    def rope(self, x: mx.array, *_) -> None:
         self.clock.op(2 * x.size * ACTIVATION_BYTES, kind="rope")
 
 
-def _patch(stack: ExitStack, owner, name: str, wrapper) -> None:
-    original = getattr(owner, name)
-    setattr(owner, name, wrapper(original))
-    stack.callback(setattr, owner, name, original)
+def _charging(f, charge):
+    """``f`` that first charges its call to the clock (``charge`` takes the same positional arguments)."""
+
+    def call(*args, **kwargs):
+        charge(*args)
+        return f(*args, **kwargs)
+
+    return call
 
 
 @contextmanager
 def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[None]:
     """Charge every metered op called inside the block to ``clock``; see the module docstring."""
     meter = _Meter(clock, metering)
-
-    def linear(f):
-        def call(self, x):
-            meter.matmul(self, x)
-            return f(self, x)
-
-        return call
-
-    def switch(f):
-        def call(self, x, indices, sorted_indices=False):
-            meter.gathered(self, x, indices)
-            return f(self, x, indices, sorted_indices)
-
-        return call
-
-    def embed(f):
-        def call(self, x):
-            meter.embedding(self, x)
-            return f(self, x)
-
-        return call
-
-    def head(f):
-        def call(self, x):
-            count, held = self["weight"].size, self["weight"].nbytes
-            if "scales" in self:
-                count = self["weight"].shape[0] * self["weight"].shape[1] * 32 // self.bits
-            rows, s = math.prod(x.shape[:-1]), metering.width_scale
-            clock.op(meter.weights(count, held, s), 2 * rows * count * s, "matmul")
-            return f(self, x)
-
-        return call
-
-    def sdpa(f):
-        def call(q, k, v, *args, **kwargs):
-            meter.attention(q, k, v)
-            return f(q, k, v, *args, **kwargs)
-
-        return call
-
-    def norm(f):
-        def call(self, x):
-            meter.norm(x)
-            return f(self, x)
-
-        return call
-
-    def rope(f):
-        def call(x, *args, **kwargs):
-            meter.rope(x)
-            return f(x, *args, **kwargs)
-
-        return call
-
+    charges = [
+        ((nn.Linear, nn.QuantizedLinear), "__call__", meter.matmul),
+        ((SwitchLinear, QuantizedSwitchLinear), "__call__", meter.gathered),
+        ((nn.Embedding, nn.QuantizedEmbedding), "__call__", meter.embedding),
+        ((nn.Embedding, nn.QuantizedEmbedding), "as_linear", meter.head),
+        ((nn.RMSNorm,), "__call__", meter.norm),
+        ((mx.fast,), "scaled_dot_product_attention", meter.attention),
+        ((mx.fast,), "rope", meter.rope),
+    ]
     with ExitStack() as stack:
-        for cls in (nn.Linear, nn.QuantizedLinear):
-            _patch(stack, cls, "__call__", linear)
-        for cls in (SwitchLinear, QuantizedSwitchLinear):
-            _patch(stack, cls, "__call__", switch)
-        for cls in (nn.Embedding, nn.QuantizedEmbedding):
-            _patch(stack, cls, "__call__", embed)
-            _patch(stack, cls, "as_linear", head)
-        _patch(stack, nn.RMSNorm, "__call__", norm)
-        _patch(stack, mx.fast, "scaled_dot_product_attention", sdpa)
-        _patch(stack, mx.fast, "rope", rope)
+        for owners, name, charge in charges:
+            for owner in owners:
+                original = getattr(owner, name)
+                setattr(owner, name, _charging(original, charge))
+                stack.callback(setattr, owner, name, original)
         yield
