@@ -14,6 +14,7 @@ from m2r2_mlx.moe.prefetch import DevicePrefetcher
 from m2r2_mlx.moe.profiles import PROFILES
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -243,3 +244,12 @@ def test_an_op_kind_can_carry_its_own_fixed_cost_and_bandwidth_share():
     assert c.op_seconds(0, 0, "rope") == pytest.approx(1e-4)
     assert c.op_seconds(1e6, 0, "gather") == pytest.approx(1e-6 + 2e-3)
     assert c.op_seconds(1e6, 0, "matmul") == pytest.approx(1e-6 + 1e-3)
+
+
+def test_a_projection_is_charged_as_a_matmul():
+    c = DeviceClock(
+        bandwidth=1e18, flops=1e18, launch=0, sync=0, link_bandwidth=1, link_latency=0, fixed={"matmul": 1e-3}
+    )
+    with metered(c, Metering(other_kernels=0)):
+        mx.eval(nn.Linear(8, 8)(mx.zeros((1, 8))))
+    assert c.now() == pytest.approx(1e-3)

@@ -69,9 +69,8 @@ class _Meter:
     def matmul(self, module: nn.Module, x: mx.array) -> None:
         count, held = _weights(module)
         rows = math.prod(x.shape[:-1])
-        self.clock.op(
-            self.weights(count, held) + rows * (x.shape[-1] + count // x.shape[-1]) * ACTIVATION_BYTES, 2 * rows * count
-        )
+        activations = rows * (x.shape[-1] + count // x.shape[-1]) * ACTIVATION_BYTES
+        self.clock.op(self.weights(count, held) + activations, 2 * rows * count * self.m.weight_scale, "matmul")
 
     def gathered(self, module: nn.Module, x: mx.array, indices: mx.array, *_) -> None:
         count, held = _weights(module, per_expert=True)
