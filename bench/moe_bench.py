@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
@@ -31,9 +31,10 @@ from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe import ExpertStore, Link
 from m2r2_mlx.moe.cache import resolve_slots
+from m2r2_mlx.moe.insitu import profile_here
 from m2r2_mlx.moe.predictors import PREDICTORS
 from m2r2_mlx.moe.profiles import PROFILES, DeviceProfile, get_profile, link_for
-from m2r2_mlx.moe.serve import store_folder
+from m2r2_mlx.moe.serve import exported_store
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -71,6 +72,7 @@ class MoEBenchConfig:
     link_gbps: float = 0.5  # 0: unthrottled
     latency_ms: float = 0.05
     profile: DeviceProfile | None = None  # sets the link by its transfer/compute ratio
+    profile_here: bool = False  # the cpu profile measured at the start of the run (insitu.py), after the build
     ratio: float | None = None  # as a profile, with this ratio
     regime_ratios: tuple[float, ...] = ()  # also run every method at these ratios, at regime_budget
     regime_budget: float = 25.0
@@ -88,7 +90,7 @@ class MoEBenchConfig:
             raise M2R2Error(f"--clock takes {', '.join(CLOCKS)} or both, got {','.join(self.clocks) or 'nothing'}")
         if any(m in BOUNDS for m in self.methods) and not any(m not in ("resident", *BOUNDS) for m in self.methods):
             raise M2R2Error("the bound rows replay the routes a cached row records; add lru to --methods")
-        if self.profile is not None and self.ratio is not None:
+        if (self.profile is not None or self.profile_here) and self.ratio is not None:
             raise M2R2Error("--profile and --ratio both set the link; pass one")
         if self.ratio is not None and not self.ratio > 0 or any(not r > 0 for r in self.regime_ratios):
             raise M2R2Error("transfer/compute ratios (--ratio, --regime-map) must be positive")
@@ -165,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         default=None,
         help=f"device profile, one of {', '.join(PROFILES)}: the link is set "
-        "so that one expert's transfer / one layer's compute (measured here) is the device's",
+        "so that one expert's transfer / one layer's compute (measured here) is the device's; "
+        "'here': the cpu profile measured inside a decode at the start of the run",
     )
     p.add_argument("--ratio", type=float, default=None, help="as --profile, with this transfer/compute ratio")
     p.add_argument(
@@ -215,11 +218,7 @@ def with_vs_lru(
 def open_store(config: MoEBenchConfig) -> tuple[ExpertStore, int]:
     """The model's expert store (exported on first use) and its number of layers."""
     lm = load_model(config.model, tokenizer=False)
-    folder = config.experts or store_folder(lm)
-    if not (folder / "experts.json").exists():
-        print(f"exporting experts to {folder} (once)", file=sys.stderr)
-        ExpertStore.export(lm.model, folder)
-    store = ExpertStore.open(folder)
+    store = exported_store(lm, config.experts)
     for b in config.budgets + ((config.regime_budget,) if config.regime_ratios else ()):
         resolve_slots(b / 100, store)  # a budget below top-k fails now, in one line, before any run
     return store, len(lm.model.layers)
@@ -229,6 +228,9 @@ def run(config: MoEBenchConfig) -> dict:
     """Every method at every budget (and ratio of the regime map); the result moe_bench.json holds."""
     if config.build is not None and not is_built(config.build):
         build_model(config.build)
+    if config.profile_here:
+        print("measuring this machine's cpu profile inside a decode (about a minute)", file=sys.stderr)
+        config = replace(config, profile=profile_here(Path(config.model)), profile_here=False)
     prompt_file = config.prompt_file()  # after the build, which writes the model folder's held-out ids
     if not prompt_file.is_file():
         raise M2R2Error(f"{prompt_file} not found; pass --prompts")
@@ -277,7 +279,7 @@ def run(config: MoEBenchConfig) -> dict:
     return {
         "model": str(config.model),
         "profile": config.profile.name if config.profile is not None else None,
-        "device_profile": config.device.name if "device" in config.clocks else None,
+        "device_profile": asdict(config.device) if "device" in config.clocks else None,
         "clocks": list(config.clocks),
         "ratio": ratio,
         "layer_ms": layer_ms,
@@ -321,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
             max_tokens=args.max_tokens,
             link_gbps=args.link_gbps,
             latency_ms=args.latency_ms,
-            profile=get_profile(args.profile) if args.profile is not None else None,
+            profile=get_profile(args.profile) if args.profile not in (None, "here") else None,
+            profile_here=args.profile == "here",
             ratio=args.ratio,
             regime_ratios=ratios,
             regime_budget=args.regime_budget,

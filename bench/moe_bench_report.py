@@ -108,7 +108,7 @@ def plot(result: dict, labels: dict[str, str], path: Path) -> None:
     for ax in (a, b):
         ax.set_xticks(range(len(budgets)), [f"{bu:g}%" for bu in budgets])
         ax.set_xlabel("expert budget (share of all experts in memory)")
-    clock = f"device clock, {result['device_profile']} profile" if speed != "tokens_per_s" else "wall clock"
+    clock = f"device clock, {result['device_profile']['name']} profile" if speed != "tokens_per_s" else "wall clock"
     a.set(ylabel=f"decode tokens/s ({clock})", title=link_line(result).split(" (")[0])
     b.set(ylabel="hit rate", ylim=(0, 1.05), title="expert cache hit rate")
     a.legend(fontsize=8)
@@ -131,12 +131,15 @@ def link_line(result: dict) -> str:
 def clock_line(result: dict) -> str:
     if result.get("device_profile") is None:
         return " Wall clock only."
-    p = PROFILES[result["device_profile"]]
+    p = result["device_profile"]
+    kinds = "".join(f", {kind} {us:.3g} us" for kind, us in p["fixed_us"])
+    shares = "".join(f", {kind} at {share:.2g} of the bandwidth" for kind, share in p["shares"])
     return (
-        f" Device clock (modelled, deterministic): the {p.name} profile, {p.what}: memory "
-        f"{p.memory_gbps:g} GB/s x {p.bandwidth_share:g}, {p.tflops:g} TFLOP/s, {p.launch_us:g} us a kernel, "
-        f"{p.sync_us:g} us a host round trip, link {p.link_gbps:g} GB/s + {p.latency_ms:g} ms "
-        "(m2r2_mlx/moe/profiles.py). Wall clock: this machine with the emulated link."
+        f" Device clock (modelled, deterministic): the {p['name']} profile, {p['what']}: memory "
+        f"{p['memory_gbps']:.3g} GB/s x {p['bandwidth_share']:g}, {p['tflops']:.3g} TFLOP/s, "
+        f"{p['launch_us']:.3g} us a kernel{kinds}{shares}, {p['sync_us']:.3g} us a host round trip, "
+        f"link {p['link_gbps']:g} GB/s + {p['latency_ms']:g} ms (m2r2_mlx/moe/profiles.py). "
+        "Wall clock: this machine with the emulated link."
     )
 
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 from m2r2_mlx.errors import M2R2Error
-from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, offload_experts
+from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, insitu, offload_experts
 from m2r2_mlx.moe.clock import DeviceClock, DeviceLink
 from m2r2_mlx.moe.lookahead import LookaheadAdapterPredictor, LookaheadAdapters, train_lookahead
 from m2r2_mlx.moe.metering import Metering, metered
@@ -253,3 +253,34 @@ def test_a_projection_is_charged_as_a_matmul():
     with metered(c, Metering(other_kernels=0)):
         mx.eval(nn.Linear(8, 8)(mx.zeros((1, 8))))
     assert c.now() == pytest.approx(1e-3)
+
+
+def test_the_in_situ_fit_recovers_a_known_machines_terms():
+    """Ops timed on a machine with known terms (6 GB/s, 4 us a matmul, gathers at half the bandwidth, attention
+    90 us beyond its bytes), timed alone at 1.25x what the running decode takes: the fit returns the running terms."""
+    bandwidth, fixed, launch, alone = 6e9, 4e-6, 10e-6, 1.25
+    running = [("matmul", b, fixed + b / bandwidth) for b in (4.4e4, 4.4e5, 1.3e6, 1.1e8) for _ in range(3)]
+    running += [("gather", b, fixed + b / (0.5 * bandwidth)) for b in (2.2e5, 4.4e5)]
+    running += [("attention", 3e4, 90e-6 + 3e4 / bandwidth)]
+    untimed = 40
+    steps = [sum(t for *_, t in running) + untimed * launch] * 3
+    samples = [(k, b, alone * t) for k, b, t in running] * 3  # three steps' worth, every op timed alone
+    f = insitu.fit_cpu(samples, steps, len(running) + untimed, launch)
+    assert f["memory_gbps"] == pytest.approx(6.0, rel=1e-6)
+    assert f["matmul_us"] == pytest.approx(4.0, rel=1e-4) and f["gather_share"] == pytest.approx(0.5, rel=1e-4)
+    assert f["attention_us"] == pytest.approx(90.0, rel=1e-4) and f["alone_vs_running"] == pytest.approx(alone)
+
+
+@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
+@pytest.mark.slow
+def test_the_bench_measures_this_machines_profile_when_asked(tmp_path):
+    model = _tiny_olmoe_folder(tmp_path)
+    cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
+    cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50", "--num-prompts", "2", "--prompt-tokens", "8"]
+    cmd += ["--max-tokens", "6", "--profile", "here", "--methods", "resident,lru", "--out", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / "moe_bench.json").read_text())
+    profile = result["device_profile"]
+    assert profile["name"] == "here" and profile["memory_gbps"] > 0 and dict(profile["fixed_us"])["load"] >= 0
+    assert all(row["device_tokens_per_s"] > 0 and row["tokens_per_s"] > 0 for row in result["rows"])

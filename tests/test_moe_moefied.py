@@ -220,7 +220,7 @@ def test_bench_unknown_profile_is_one_line():
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def _decode(folder, store, budget, predictor=None, planned=True, trace=None, tokens=16, governed=True, device=None):
+def _decode(folder, store, budget, predictor=None, planner=PlannerConfig(), trace=None, tokens=16, device=None):
     """(tokens, decode seconds, stats, planner decisions, the run's trace, one transfer's seconds) at ``budget`` on
     an emulated link (one expert: 2.35 ms, the macbook profile's ratio over a 1 ms layer), or on ``device``'s clock
     (a DeviceProfile: every time, the stall included, modelled, so the figures are the same on every run)."""
@@ -235,7 +235,7 @@ def _decode(folder, store, budget, predictor=None, planned=True, trace=None, tok
     cache = offload_experts(lm.model, store, budget, link=link, clock=clock)
     if predictor is not None:
         (Prefetcher if device is None else DevicePrefetcher)(cache)
-    planner = PrefetchPlanner(PlannerConfig(governed=governed)).attach(cache) if planned else None
+    planner = PrefetchPlanner(planner).attach(cache) if planner else None
     if predictor is not None:
         predictor.attach(cache)
     cache.trace = {} if trace else None
@@ -259,7 +259,7 @@ def modelled_s(compute_s: float, stats, t: float) -> float:
 def test_with_random_predictions_the_planner_is_lru_within_3_percent(folder, store, budget):
     """Random experts: the loader issues (almost) nothing, so the cache is LRU: same misses, same bytes over the
     link, throughput in the link model within 3% of LRU's (wall time compared loosely: the machine is shared)."""
-    lru_tokens, lru_s, lru, _, _, t = _decode(folder, store, budget, planned=False)
+    lru_tokens, lru_s, lru, _, _, t = _decode(folder, store, budget, planner=None)
     tokens, seconds, s, decisions, _, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
     assert tokens == lru_tokens
     loaded = decisions["loaded"]
@@ -282,10 +282,12 @@ def test_true_routes_planned_hide_most_of_lrus_loads(folder, store, budget):
     (2 slots, top-2: both hold the current token's experts, which a prefetch never evicts), the planner's first
     steps (its calibration starts at a 25% prior) and loads arriving late (two layers of lead)."""
     macbook = get_profile("macbook")
-    lru_tokens, lru_s, lru, _, trace, _ = _decode(folder, store, budget, planned=False, trace=True, device=macbook)
+    lru_tokens, lru_s, lru, _, trace, _ = _decode(folder, store, budget, planner=None, trace=True, device=macbook)
     # the planner's choices with the predictor always running (whether it pays for itself: the governor's test)
     oracle = Oracle(trace, lookahead=2)
-    tokens, seconds, s, decisions, _, _ = _decode(folder, store, budget, oracle, governed=False, device=macbook)
+    tokens, seconds, s, decisions, _, _ = _decode(
+        folder, store, budget, oracle, planner=PlannerConfig(governed=False), device=macbook
+    )
     assert tokens == lru_tokens and decisions["loaded"] > 0 and s.total("prefetch_wasted") == 0
     assert s.misses + s.total("prefetch_loads") <= lru.misses
     assert s.misses <= 0.65 * lru.misses
@@ -313,7 +315,7 @@ def test_a_predictor_that_costs_more_than_it_saves_is_turned_off(folder, store, 
     """True routes at 3 ms a layer (12 ms a step, against at most a few 2.35 ms transfers saved): the
     governor measures the cost and the savings, stops predicting and probes within 2% of the time; throughput in
     the link model (compute + the predictions' own time + waited loads) within 3% of LRU's."""
-    lru_tokens, lru_s, lru, _, trace, t = _decode(folder, store, budget, planned=False, trace=True, tokens=48)
+    lru_tokens, lru_s, lru, _, trace, t = _decode(folder, store, budget, planner=None, trace=True, tokens=48)
     oracle = CostlyOracle(trace, burn_s=0.003)
     tokens, _, s, _, _, _ = _decode(folder, store, budget, oracle, tokens=48)
     assert tokens == lru_tokens

@@ -133,8 +133,9 @@ class DeviceLink:
         return self.clock.transfer_seconds(self.scaled(nbytes))
 
     def land(self, nbytes: int) -> None:
-        """An arrived expert written into its slot: a copy on the compute stream (read and write)."""
-        self.clock.op(2 * self.scaled(nbytes))
+        """An arrived expert written into its slot: a copy on the compute stream (read and write), with the host's
+        work for one load (kind "load": reading the store, converting, the slot write's dispatch)."""
+        self.clock.op(2 * self.scaled(nbytes), kind="load")
 
     def count(self, nbytes: int) -> None:
         self.transfers += 1

@@ -113,8 +113,9 @@ def _charging(f, charge):
 
 
 @contextmanager
-def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[None]:
-    """Charge every metered op called inside the block to ``clock``; see the module docstring."""
+def metered(clock: DeviceClock, metering: Metering = Metering(), around=None) -> Iterator[None]:
+    """Charge every metered op called inside the block to ``clock``; see the module docstring. ``around``: a
+    wrapper for each charged call (insitu.py times each op where the model calls it)."""
     meter = _Meter(clock, metering)
     charges = [
         ((nn.Linear, nn.QuantizedLinear), "__call__", meter.matmul),
@@ -129,6 +130,7 @@ def metered(clock: DeviceClock, metering: Metering = Metering()) -> Iterator[Non
         for owners, name, charge in charges:
             for owner in owners:
                 original = getattr(owner, name)
-                setattr(owner, name, _charging(original, charge))
+                call = _charging(original, charge)
+                setattr(owner, name, around(call) if around else call)
                 stack.callback(setattr, owner, name, original)
         yield

@@ -21,17 +21,16 @@ Figures and sources (docs/moe.md has the same table):
   precision tensor cores with half accumulate: 330 sparse / 2); 4 us a kernel launch; 20 us a host round trip
   (stream synchronize plus a small device-to-host copy); PCIe 4.0 x16 from pinned memory at 25 GB/s effective
   with 10 us a transfer. Weights and KV cache in bfloat16.
-- cpu: this machine (2 cores, MLX's CPU backend with OpenBLAS, float32), measured by
-  ``python -m m2r2_mlx.moe.profiles``: 48 decode-shaped float32 matrix-vector products (1536 x 576, 170 MB in all,
-  more than any cache holds) for the bandwidth, a 1024^3 matmul
-  for the FLOP rate, a chain of small ops evaluated at once for the launch cost, a one-op evaluation read back to
-  numpy for the round trip. Its link is the bench's default throttled link (0.5 GB/s, 0.05 ms), charged as is.
+- cpu: this machine (2 cores, MLX's CPU backend with OpenBLAS, float32), measured inside a real decode of the
+  bench's MoE model by ``python -m m2r2_mlx.moe.insitu build/smollm2-moe`` (insitu.py: each op timed where the
+  model calls it; medians of four runs): the bandwidth and fixed cost of its matrix-vector products, the share of
+  it gathered expert matmuls reach, the fixed costs of attention, rotary embedding and norms, the launches the
+  meter charges for the kernels it does not time, and the host's work for one expert load. Its link is the bench's
+  default throttled link (0.5 GB/s, 0.05 ms), charged as is.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass
 
 from ..errors import M2R2Error
@@ -147,22 +146,22 @@ PROFILES = {
         layer_weights=_LAYER_W,
         hidden=2048,
     ),
-    # measured here by `python -m m2r2_mlx.moe.profiles` (2026-11-26): medians of five runs (the machine is noisy:
-    # 8.5-10.9 GB/s, rope 85-178 us)
+    # measured here by `python -m m2r2_mlx.moe.insitu build/smollm2-moe` (2026-11-26): medians of four runs (the
+    # machine is noisy: 7.3-8.9 GB/s, a MoE layer's host work 150-192 us, a load's 281-554 us)
     "cpu": DeviceProfile(
         "cpu",
         "this machine: 2 x86 cores, MLX's CPU backend, float32, the bench's default throttled link",
-        memory_gbps=10.3,
+        memory_gbps=8.1,
         bandwidth_share=1.0,
-        tflops=0.035,
-        launch_us=7.4,
-        sync_us=17.0,
+        tflops=0.044,
+        launch_us=8.1,
+        sync_us=163.0,
         link_gbps=0.5,
         latency_ms=0.05,
         weight_bytes=None,
         kv_bytes=None,
-        fixed_us=(("matmul", 10.2), ("attention", 75.0), ("rope", 125.0)),
-        shares=(("gather", 0.70),),
+        fixed_us=(("matmul", 5.4), ("attention", 97.5), ("rope", 150.0), ("norm", 51.0), ("load", 514.0)),
+        shares=(("gather", 0.52),),
     ),
 }
 
@@ -182,74 +181,3 @@ def link_for(ratio: float, expert_bytes: int, layer_ms: float, latency_share: fl
     expert_ms = ratio * layer_ms
     wire_s = expert_ms * (1 - latency_share) / 1e3
     return Link(expert_bytes / wire_s / 1e9, expert_ms * latency_share)
-
-
-def _best(f, repeats: int = 7) -> float:
-    """The fastest of ``repeats`` timings of ``f()`` (seconds): the machine's rate, not its noise."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def measure_here() -> dict[str, float]:
-    """This machine's figures for the cpu profile (see the module docstring)."""
-    import mlx.core as mx
-    import numpy as np
-
-    v, x = mx.random.normal((1, 576)), mx.random.normal((1, 576))
-    # decode-shaped matrix-vector products over more weights than any cache holds, as a decode step reads them:
-    # time = fixed + bytes / bandwidth, fitted over the shapes a small model's layers have
-    sizes, times = [], []
-    for rows in (192, 576, 1536, 4096):
-        ws = [mx.random.normal((rows, 576)) for _ in range(max(8, int(150e6 / (rows * 576 * 4))))]
-        mx.eval(ws)
-        sizes.append(ws[0].nbytes)
-        times.append(_best(lambda: mx.eval([v @ w.T for w in ws])) / len(ws))
-    slope, fixed = np.polyfit(sizes, times, 1)
-    experts = [mx.random.normal((16, 96, 576)) for _ in range(40)]
-    picked, xg = mx.array([[1, 5, 9, 13]]).astype(mx.uint32), x.reshape(1, 1, 1, 576)
-    mx.eval(experts)
-    gather = _best(lambda: mx.eval([mx.gather_mm(xg, e.swapaxes(-1, -2), rhs_indices=picked) for e in experts]))
-    gather_gbps = 40 * 4 * experts[0][0].nbytes / gather / 1e9
-    a, b = mx.random.normal((1024, 1024)), mx.random.normal((1024, 1024))
-    q, kv = [mx.random.normal((1, 9, 1, 64)) for _ in range(60)], [mx.random.normal((1, 3, 64, 64)) for _ in range(60)]
-    mx.eval(a, b, q, kv)
-    tflops = 2 * 1024**3 / _best(lambda: mx.eval(a @ b)) / 1e12
-    attention = _best(
-        lambda: mx.eval([mx.fast.scaled_dot_product_attention(y, k, k, scale=0.125) for y, k in zip(q, kv)])
-    )
-    rope = _best(lambda: mx.eval([mx.fast.rope(y, 64, traditional=False, base=1e4, scale=1.0, offset=50) for y in q]))
-
-    def chain(n: int):
-        y = x
-        for _ in range(n):
-            y = y * 1.0001 + 0.5
-        mx.eval(y)
-
-    launch = (_best(lambda: chain(400)) - _best(lambda: chain(200))) / 400  # two ops a link, the fixed part cancels
-    sync = _best(lambda: np.array(x + 1.0)) - launch
-    gbps = 1 / slope / 1e9
-    return {
-        "memory_gbps": gbps,
-        "matmul_fixed_us": 1e6 * fixed,
-        "gather_share": gather_gbps / gbps,
-        "attention_us": 1e6 * attention / 60,
-        "rope_us": 1e6 * rope / 60,
-        "tflops": tflops,
-        "launch_us": 1e6 * launch,
-        "sync_us": 1e6 * sync,
-    }
-
-
-def main() -> None:
-    import m2r2_mlx  # noqa: F401  (the fast BLAS, as every run here)
-
-    figures = measure_here()
-    print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()), file=sys.stdout)
-
-
-if __name__ == "__main__":
-    main()

@@ -46,6 +46,18 @@ def store_folder(lm: LoadedModel) -> Path:
     return cache_home() / "experts" / f"{lm.path.name}-{key}"
 
 
+def exported_store(lm: LoadedModel, folder: Path | None = None) -> ExpertStore:
+    """``lm``'s expert store in ``folder`` (default ``store_folder``), exported there first if it is not."""
+    folder = folder or store_folder(lm)
+    if not ExpertStore.finished(folder):
+        print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
+        # layer by layer, each released once written: a lazily loaded model never holds all its experts
+        store = ExpertStore.export(lm.model, folder, force=True, release=True)
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        print(f"exported {len(store.layers)} MoE layers' experts: {size / 1e9:.2f} GB", file=sys.stderr)
+    return ExpertStore.open(folder)
+
+
 def serve_with_budget(
     lm: LoadedModel, budget: str, *, predictor: str = "pregating", adapters=None, link_gbps: float | None = None
 ) -> ExpertCache:
@@ -63,15 +75,9 @@ def serve_with_budget(
         if adapters is None:
             raise M2R2Error(f"--expert-predictor {predictor} needs --adapters trained on this model")
         m2r2 = load_adapters(lm, adapters)
-    folder = store_folder(lm)
-    if not ExpertStore.finished(folder):
-        print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
-        # layer by layer, each released once written: a lazily loaded model never holds all its experts
-        store = ExpertStore.export(lm.model, folder, force=True, release=True)
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        print(f"exported {len(store.layers)} MoE layers' experts: {size / 1e9:.2f} GB", file=sys.stderr)
+    store = exported_store(lm)
     lookahead = LookaheadAdapters.load(lm.path) if entry.needs_lookahead else None
-    cache = offload_experts(lm.model, folder, budget, link=Link(link_gbps) if link_gbps is not None else None)
+    cache = offload_experts(lm.model, store, budget, link=Link(link_gbps) if link_gbps is not None else None)
     attach_predictor(cache, predictor, m2r2, lookahead=lookahead)
     return cache
 
