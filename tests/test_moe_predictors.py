@@ -62,6 +62,19 @@ def test_every_entry_builds_a_predictor_that_leaves_the_tokens_and_detaches(stor
         cache.close()
 
 
+def test_a_cache_holding_every_expert_runs_no_predictor(store, reference):
+    """Nothing can be loaded at 100%: a predictor would only cost (0.96-0.98x LRU on the pcie-gpu device clock)."""
+    lm = tiny_model("olmoe")
+    cache = offload_experts(lm.model, store, 1.0)
+    try:
+        attach_predictor(cache, "pregating")
+        assert cache.prefetcher is None and cache.planner is None
+        assert greedy(lm.model, PROMPT, 5, on_prefilled=cache.reset)[0] == reference
+        assert cache.stats.total("predicted") == 0 and cache.stats.misses == 0
+    finally:
+        cache.close()
+
+
 @pytest.mark.parametrize("call", [get_predictor, build_predictor, lambda n: attach_predictor(None, n)])
 def test_an_unknown_predictor_is_one_line_naming_the_registry(call):
     with pytest.raises(M2R2Error) as e:

@@ -93,10 +93,14 @@ def attach_predictor(
     """The named predictor (predictors.PREDICTORS) attached to ``cache``, with a background loader where it loads
     ahead. ``m2r2``: the loaded adapters, for the M2R2 predictors; ``intervals``: how many gate intervals the
     run-ahead fast stream runs in (default all); ``trace``: the recorded run the oracle replays; ``lookahead``: the
-    model's lookahead adapters (lookahead.py)."""
-    inputs = PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace, lookahead=lookahead)
-    built = build_predictor(predictor, inputs)
-    entry = get_predictor(predictor)
+    model's lookahead adapters (lookahead.py). A cache that holds every expert loads nothing: predicting there
+    only costs, so it gets no predictor."""
+    entry = get_predictor(predictor)  # an unknown name is one line, whatever the budget
+    if all(cache.slots_per_layer[l] >= cache.num_experts(l) for l in cache.layers):
+        predictor, entry = "none", get_predictor("none")
+    built = build_predictor(
+        predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace, lookahead=lookahead)
+    )
     if entry.loads_ahead:
         (DevicePrefetcher if cache.clock.modelled else Prefetcher)(cache)
     if entry.planned:
