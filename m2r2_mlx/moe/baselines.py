@@ -35,27 +35,32 @@ class NoPrediction:
         self.cache = None
 
 
-class LookaheadPredictor:
-    """Shared code of the per-layer predictors: on layer l, predict each of the next ``lookahead`` MoE layers and
-    prefetch them. Subclasses implement ``predict``."""
+class ListeningPredictor(NoPrediction):
+    """A predictor that runs ``on_layer(layer, x)`` before each MoE layer computes, while attached."""
 
-    fast_layer_passes: int | None = None  # runs no fast stream
-
-    def __init__(self, lookahead: int = 1):
-        if lookahead < 1:
-            raise M2R2Error(f"lookahead must be at least 1 layer, got {lookahead}")
-        self.lookahead = lookahead
-        self.cache: ExpertCache | None = None
-
-    def attach(self, cache: ExpertCache) -> "LookaheadPredictor":
-        self.cache = cache
+    def attach(self, cache: ExpertCache) -> "ListeningPredictor":
+        super().attach(cache)
         cache.add_listener(self.on_layer)
         return self
 
     def detach(self) -> None:
         if self.cache is not None:
             self.cache.remove_listener(self.on_layer)
-            self.cache = None
+        super().detach()
+
+    def on_layer(self, layer: int, x: mx.array) -> None:
+        raise NotImplementedError
+
+
+class LookaheadPredictor(ListeningPredictor):
+    """Shared code of the per-layer predictors: on layer l, predict each of the next ``lookahead`` MoE layers and
+    prefetch them. Subclasses implement ``predict``."""
+
+    def __init__(self, lookahead: int = 1):
+        if lookahead < 1:
+            raise M2R2Error(f"lookahead must be at least 1 layer, got {lookahead}")
+        super().__init__()
+        self.lookahead = lookahead
 
     def on_layer(self, layer: int, x: mx.array) -> None:
         planner = self.cache.planner

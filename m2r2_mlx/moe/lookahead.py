@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_write_bytes, atomic_write_text
 from ..errors import M2R2Error
-from .baselines import NoPrediction
+from .baselines import ListeningPredictor
 from .blocks import moe_blocks, top_k, top_scored
 from .cache import ExpertCache
 from .router_target import _Recorder
@@ -180,7 +180,7 @@ def evaluate(lm, adapters: LookaheadAdapters, heldout: np.ndarray, seq_len: int 
     return {f"recall_{k}": float(np.mean(v)) for k, v in recall.items()}
 
 
-class LookaheadAdapterPredictor(NoPrediction):
+class LookaheadAdapterPredictor(ListeningPredictor):
     """At each MoE layer of a decode step, the lookahead adapter of the layer ``lead`` ahead (into the next token's
     first layers from the last ones): its experts go to the planner (a ``Predictor``)."""
 
@@ -194,14 +194,7 @@ class LookaheadAdapterPredictor(NoPrediction):
                 f"these lookahead adapters were fitted to MoE layers {self.adapters.layers}, the model has "
                 f"{cache.layers}; fit them to this model"
             )
-        self.cache = cache
-        cache.add_listener(self.on_layer)
-        return self
-
-    def detach(self) -> None:
-        if self.cache is not None:
-            self.cache.remove_listener(self.on_layer)
-            self.cache = None
+        return super().attach(cache)
 
     def on_layer(self, layer: int, x: mx.array) -> None:
         cache = self.cache
