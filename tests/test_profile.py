@@ -74,8 +74,10 @@ def assert_steps_covered(shares: list[float]) -> None:
 def test_bandwidth_probe_is_positive_and_steady():
     stream_bandwidth(mb=128, passes=5)  # the first call pays for first-touch pages and a cold cache
     runs = [stream_bandwidth(mb=128, passes=5) for _ in range(3)]
-    assert min(runs) > 0
-    assert max(runs) / min(runs) <= 1.2, runs
+    # a copy really streamed (an unevaluated graph would read thousands of GB/s), and the same probe again gives
+    # the same order of figure: a shared machine moves its own bandwidth by a third between runs, not twofold
+    assert all(0.5 < r < 2000 for r in runs), runs
+    assert max(runs) / min(runs) <= 2.0, runs
 
 
 @pytest.mark.slow

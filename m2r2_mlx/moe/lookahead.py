@@ -62,7 +62,7 @@ class LookaheadAdapters(nn.Module):
 
     def save(self, folder: Path, record: dict) -> Path:
         path = Path(folder) / FILE
-        tensors = {f"{t}.{k}": np.ascontiguousarray(v) for t, m in self.maps.items() for k, v in m.parameters().items()}
+        tensors = {f"{t}.{k}": np.array(v, copy=True) for t, m in self.maps.items() for k, v in m.parameters().items()}
         meta = {"layers": json.dumps(self.layers), "lead": str(self.lead)}
         atomic_write_bytes(path, safetensors.numpy.save(tensors, metadata=meta))
         atomic_write_text(path.with_suffix(".json"), json.dumps(record, indent=1))
@@ -147,7 +147,7 @@ def train_lookahead(
         prior = np.concatenate([np.array(g.weight.astype(mx.float32)).T, np.zeros((1, g.weight.shape[0]))], 0)
         scale = ridge * np.trace(xtx[t]) / (d + 1)  # relative to the inputs' energy
         w = np.linalg.solve(xtx[t] + scale * np.eye(d + 1), xtz[t] + scale * prior)
-        adapters.maps[_key(t)].weight = mx.array(w[:-1].T.astype(np.float32))
+        adapters.maps[_key(t)].weight = mx.array(np.ascontiguousarray(w[:-1].T, dtype=np.float32))
         adapters.maps[_key(t)].bias = mx.array(w[-1].astype(np.float32))
     record = {"lead": lead, "ridge": ridge, "train_tokens": int(rows.size), **evaluate(lm, adapters, heldout, seq_len)}
     return adapters, record
