@@ -133,6 +133,11 @@ class ExpertCache:
         """Whether the forward pass has already gone past ``layer`` at ``step`` (safe from any thread)."""
         return (step, self._ordinal[layer]) < self.position
 
+    @property
+    def holds_every_expert(self) -> bool:
+        """Whether every layer has a slot for each of its experts (nothing is ever loaded after the warm fill)."""
+        return all(self.slots_per_layer[l] >= self.num_experts(l) for l in self.layers)
+
     def describe(self) -> str:
         s = sorted(set(self.slots_per_layer.values()))
         e = sorted({self.num_experts(l) for l in self.layers})

@@ -47,6 +47,8 @@ from .offload import offload_experts
 from .profiles import PROFILES, DeviceProfile
 from .serve import exported_store
 
+FIXED_KINDS = ("attention", "rope", "norm")  # op kinds priced by a fixed cost beyond their bytes
+
 
 class _OpLog:
     """Stands in for a clock under ``metered``: records what each op would be charged (kind, bytes)."""
@@ -150,7 +152,7 @@ def fit_cpu(samples, step_seconds: list[float], ops_per_step: float, launch: flo
         "memory_gbps": bandwidth / 1e9,
         "matmul_us": 1e6 * max(fixed, 0.0),  # a line's intercept below zero is noise
         "gather_share": min(share, 1.0),
-        **{f"{k}_us": 1e6 * median_beyond_bytes(k) for k in ("attention", "rope", "norm") if by_kind[k]},
+        **{f"{k}_us": 1e6 * median_beyond_bytes(k) for k in FIXED_KINDS if by_kind[k]},
         "launch_us": 1e6 * launch,
         "alone_vs_running": 1 / scale,
     }
@@ -205,13 +207,14 @@ def measure_cpu(folder: Path, steps: int = 24) -> dict[str, float]:
     lm = load_model(str(folder), tokenizer=False)
     model, via_cache = lm.model, load_model(str(folder), tokenizer=False).model
     store = exported_store(lm)
-    moe_layers = len(offload_experts(via_cache, store, 1.0).layers)
+    full = offload_experts(via_cache, store, 1.0)
     samples, plain_s, cached_s, ops_per_step = time_decodes(model, via_cache, prompt, steps)
     figures = fit_cpu(samples, plain_s, ops_per_step, launch_seconds())
-    host_per_layer = statistics.median(c - p for c, p in zip(cached_s, plain_s)) / moe_layers
+    host_per_layer = statistics.median(c - p for c, p in zip(cached_s, plain_s)) / len(full.layers)
     lru = offload_experts(model, store, 0.25, link=Link(0.5, 0.05))
     load = load_seconds(model, lru, via_cache, prompt, figures["memory_gbps"] * 1e9)
     lru.close()
+    full.close()
     return {
         **figures,
         "sync_us": 1e6 * max(host_per_layer, 0.0),
@@ -223,7 +226,8 @@ def measure_cpu(folder: Path, steps: int = 24) -> dict[str, float]:
 def profile_here(folder: Path) -> DeviceProfile:
     """The cpu profile with this machine's figures measured now (``measure_cpu``)."""
     f = measure_cpu(folder)
-    fixed = {"matmul": f["matmul_us"], "load": f["load_us"], **{k: f[f"{k}_us"] for k in ("attention", "rope", "norm")}}
+    kinds = [k for k in FIXED_KINDS if f"{k}_us" in f]  # a model without rotary embeddings times none
+    fixed = {"matmul": f["matmul_us"], "load": f["load_us"], **{k: f[f"{k}_us"] for k in kinds}}
     return replace(
         PROFILES["cpu"],
         name="here",

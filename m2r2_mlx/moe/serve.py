@@ -96,7 +96,7 @@ def attach_predictor(
     model's lookahead adapters (lookahead.py). A cache that holds every expert loads nothing: predicting there
     only costs, so it gets no predictor."""
     entry = get_predictor(predictor)  # an unknown name is one line, whatever the budget
-    if all(cache.slots_per_layer[l] >= cache.num_experts(l) for l in cache.layers):
+    if cache.holds_every_expert:
         predictor, entry = "none", get_predictor("none")
     built = build_predictor(
         predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace, lookahead=lookahead)
