@@ -204,7 +204,10 @@ def test_the_device_clock_reproduces_itself_exactly(tmp_path):
 def test_lookahead_adapters_round_trip_and_predict_across_the_token_boundary(tmp_path):
     lm = tiny_model("olmoe")
     rng = np.random.default_rng(0)
-    ids, held = rng.integers(0, 128, 1024), rng.integers(0, 128, 512)
+    vocab = lm.config["vocab_size"]
+    ids, held = rng.integers(0, vocab, 1024), rng.integers(0, vocab, 512)
+    with pytest.raises(M2R2Error, match="outside the model's vocabulary of 101"):
+        train_lookahead(lm, ids, held + vocab, lead=2, seq_len=32, progress=False)
     adapters, record = train_lookahead(lm, ids, held, lead=2, seq_len=32, progress=False)
     assert 0 <= record["recall_adapters"] <= 1 and record["lead"] == 2
     assert adapters.source(0) == (len(adapters.layers) - 2, -1) and adapters.source(3) == (1, 0)

@@ -128,6 +128,12 @@ def train_lookahead(
     blocks = dict(moe_blocks(lm.model))
     if not blocks or any(not isinstance(b.gate, nn.Linear) or top_k(b) is None for b in blocks.values()):
         raise M2R2Error("lookahead adapters need a mixture-of-experts model with linear top-k routers")
+    vocab = int(lm.config["vocab_size"])
+    for name, part in (("training", ids), ("held-out", heldout)):
+        if part.size and not 0 <= int(part.min()) <= int(part.max()) < vocab:  # MLX's gather reads past the table
+            raise M2R2Error(
+                f"{name} token ids run outside the model's vocabulary of {vocab}; tokenize with its tokenizer"
+            )
     layers = sorted(blocks)
     gate0 = blocks[layers[0]].gate.weight
     adapters = LookaheadAdapters(layers, gate0.shape[1], gate0.shape[0], lead)
