@@ -65,7 +65,7 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
             row = stats.accept_lengths[-1] - 1 if stats.accept_lengths else -1
             before.append(mx.softmax(last["logits"][row].astype(mx.float32)).max().item())
             steps = original(tree, request)
-            confs.append(drafter.confidences[0] if len(tree) > 1 else None)
+            confs.append(tree.signal.get((drafter.kind, 1)))  # the first draft's probability
             return steps
 
         cache.forward, drafter.propose = keep_logits, propose

@@ -5,9 +5,11 @@ from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.protocols import DraftRequest
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
 from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.decoding.tree import DraftTree
 
 import mlx.core as mx
 import numpy as np
@@ -121,8 +123,9 @@ def _draft_confidences(tiny_m2r2, prompts) -> list[float]:
     for p in prompts:
         cache = PromptCache(tiny_m2r2.base)
         mx.eval(cache.forward(p[:-1]))
-        draft_chain(drafter, cache, p[-1], 1, Sampling(), eos_ids=set())
-        confs.append(drafter.confidences[0])
+        tree = DraftTree.root(p[-1])
+        drafter.propose(tree, DraftRequest(cache, [], 1, Sampling(), set()))
+        confs.append(tree.signal[(drafter.kind, 1)])
     return confs
 
 

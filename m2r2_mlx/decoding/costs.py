@@ -1,20 +1,15 @@
 """What a speculative step costs on this machine, in plain steps: ratios that a busy machine does not distort.
 
-The planner compares costs only with each other (does verifying one more position, or one more draft step, buy
-more tokens than it costs?), so it needs ratios, not seconds. A verification of n positions costs ``ratio(n)``
-plain steps, each sample taken against the plain step's time at that moment; the plain step (pipelined, as plain
-decoding runs) is timed on every plain token. When the whole machine slows down, a step and the plain step slow
-down together and the ratio stands.
-
-No estimate outlives the conditions it was measured in: each size keeps its latest samples (their median), a
-sample older than ``max_age`` steps is dropped, and after ``max_age / 2`` steps without a plain one the planner
-takes a plain step to time it again. A size without fresh samples reads the calibrated curve (a ``Calibration``:
-bare forwards of 1-16 positions timed when the decoder is built, about a second, so that the first answer
-already prices drafting by this machine), scaled by how the fresh sizes stand against it.
+A verification of n positions costs ``ratio(n)`` plain steps, each sample taken against the plain step's time at
+that moment (timed on every pipelined plain token): when the machine slows, both slow and the ratio stands. Samples
+age out after ``max_age`` steps; a size without fresh ones reads the ``Calibration`` (bare forwards of 1-16
+positions timed when the decoder is built) scaled by how the fresh sizes stand against it. docs/speculative.md.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import statistics
 import time
 from collections import deque
@@ -23,19 +18,18 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .prompt_cache import PromptCache
+from .protocols import Outcome
 
 SIZES = (1, 2, 4, 8, 16)  # verification sizes a calibration times
 
 
 def _interpolate(points: dict[int, float], n: int) -> float:
-    """A piecewise-linear curve through ``points`` (size -> ratio), extended by its last segment, never falling."""
+    """A piecewise-linear curve through ``points`` (size -> ratio), extended by its end segments, never falling."""
     xs = sorted(points)
     if n in points or len(xs) == 1:
         return points.get(n, points[xs[0]] * (1 + 0.05 * (n - xs[0])))
-    lo = max((x for x in xs if x < n), default=xs[0])
-    hi = min((x for x in xs if x > n), default=xs[-1])
-    if lo == hi:
-        lo, hi = (xs[0], xs[1]) if n < xs[0] else (xs[-2], xs[-1])
+    i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)  # the segment xs[i - 1]..xs[i]
+    lo, hi = xs[i - 1], xs[i]
     return max(points[lo] + max((points[hi] - points[lo]) / (hi - lo), 0.0) * (n - lo), 1e-3)
 
 
@@ -68,10 +62,20 @@ def measure_calibration(model, context: int = 64, rounds: int = 3) -> Calibratio
     return Calibration(plain, {n: statistics.median(ts) / plain for n, ts in times.items() if n > 1})
 
 
+def _memoized(method):  # until the next measurement or step: the planner asks many times a step
+    @functools.wraps(method)
+    def cached(self, *args):
+        key = (method.__name__, *args)
+        if key not in self._memo:
+            self._memo[key] = method(self, *args)
+        return self._memo[key]
+
+    return cached
+
+
 class StepCosts:
-    """The running estimates. ``calibration``: the costs measured when the decoder was built (None: what this
-    instance measures alone);
-    ``draft_fraction``: a draft step's cost in plain steps before one is timed, without a profile."""
+    """The running estimates. ``calibration``: None to start from what this instance measures alone;
+    ``draft_fraction``: a draft step's cost in plain steps before one is timed."""
 
     def __init__(self, calibration: Calibration | None = None, draft_fraction=0.2, window: int = 9, max_age=64):
         self.calibration, self.draft_fraction, self.window, self.max_age = calibration, draft_fraction, window, max_age
@@ -79,7 +83,7 @@ class StepCosts:
         self.plains: deque = deque(maxlen=window)  # (step, seconds)
         self.samples: dict[int, deque] = {}  # positions -> (step, plain steps)
         self.drafts: deque = deque(maxlen=window)  # (step, plain steps)
-        self._memo: dict = {}  # estimates, until the next measurement or step (the planner asks many times a step)
+        self._memo: dict = {}
 
     def tick(self) -> None:
         self.step += 1
@@ -88,12 +92,17 @@ class StepCosts:
     def _fresh(self, samples) -> list[float]:
         return [v for s, v in samples if self.step - s <= self.max_age]
 
-    def _memoized(self, key, compute) -> float:
-        if key not in self._memo:
-            self._memo[key] = compute()
-        return self._memo[key]
+    def observe(self, outcome: Outcome) -> None:
+        """A timed step: a pipelined plain one, or a verification (its drafting apart); then the clock moves."""
+        if outcome.plain:
+            self.observe_plain(outcome.seconds)
+        else:
+            if len(outcome.tree) > 1:
+                self.observe_verify(len(outcome.tree), outcome.seconds - outcome.draft_seconds)
+            if outcome.draft_steps:
+                self.observe_draft(outcome.draft_seconds / outcome.draft_steps)
+        self.tick()
 
-    # ---- measurements ------------------------------------------------------------------------------------
     def observe_plain(self, seconds: float) -> None:
         self.plains.append((self.step, seconds))
         self._memo.clear()
@@ -108,37 +117,32 @@ class StepCosts:
         self.drafts.append((self.step, seconds_per_step / self.plain_seconds()))
         self._memo.clear()
 
-    # ---- estimates ---------------------------------------------------------------------------------------
     @property
     def plain_due(self) -> bool:
         """The plain step was not timed lately: every ratio is measured against it, so it is timed again."""
         latest = max((s for s, _ in self.plains), default=0)
         return self.step - latest > self.max_age // 2
 
+    @_memoized
     def plain_seconds(self) -> float:
         """The plain step now: its fresh measurements, else its latest, else the calibration's. Its absolute value
         only scales the others: decisions compare ratios."""
-        return self._memoized(("plain",), self._plain_seconds)
-
-    def _plain_seconds(self) -> float:
         fresh = self._fresh(self.plains) or [v for _, v in self.plains][-1:]
         return statistics.median(fresh) if fresh else self.calibration.plain if self.calibration else 0.05
 
+    @_memoized
     def ratio(self, n: int) -> float:
         """A verification of ``n`` positions in plain steps (1 for the plain step itself)."""
-        return 1.0 if n <= 1 else self._memoized(("ratio", n), lambda: self._ratio(n))
-
-    def _ratio(self, n: int) -> float:
         measured = {k: statistics.median(v) for k, s in self.samples.items() if len(v := self._fresh(s)) >= 2}
-        if n in measured:
-            return measured[n]
+        if n <= 1 or n in measured:
+            return measured.get(n, 1.0)
         if self.calibration is None:
             return _interpolate({1: 1.0, **measured}, n)
-        return self.calibration.ratio(n) * self._memoized(("scale",), self._scale)
+        return self.calibration.ratio(n) * self._scale()
 
+    @_memoized
     def _scale(self) -> float:
-        """How the fresh samples, every size's, stand against the calibrated curve: a whole step pays for more than
-        the bare forwards the calibration timed."""
+        """How the fresh samples stand against the calibrated curve: a step pays for more than bare forwards."""
         scale = [v / self.calibration.ratio(k) for k, s in self.samples.items() for v in self._fresh(s)]
         return min(max(statistics.median(scale), 0.5), 4.0) if scale else 1.0
 

@@ -1,14 +1,7 @@
 """Where speculative drafts come from. A drafter adds proposals to a draft tree (tree.py) after its root, the
-last emitted token (not yet in the cache), and leaves the cache as it found it.
-
-- ``LayerDrafter``: exit at a gate of the base. With adapters it is the M2R2 fast stream; without, the slow
-  state's own exit (naive layer-skip self-speculation). It drafts a chain one step at a time (each step runs the
-  layers up to its gate) and may add the first step's next most likely tokens beside the chain's first token.
-  Optionally its LM head covers a trimmed vocabulary (FLOPs-aware drafting). ``go_on`` (the engine's cost model)
-  or a confidence ``threshold`` ends the chain.
-- ``ForcedDrafter``: the continuation an answer's grammar forces (structured output).
-- ``PromptLookupDrafter``: copy the continuations of earlier occurrences of the sequence's last n-gram (prompt
-  lookup decoding; no model compute), the longest n-grams and latest occurrences first.
+last emitted token (not yet in the cache), and leaves the cache as it found it: ``LayerDrafter`` (an exit of the
+base: the M2R2 fast stream with adapters, naive layer-skip without), ``PromptLookupDrafter`` (copies what followed
+earlier occurrences of the last n-gram) and ``ForcedDrafter`` (the text an answer's grammar forces).
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ class LayerDrafter:
         self.head = None if vocab is None else SubsetHead(m2r2.parts, vocab)
         self.kind = "fast" if adapters else "layerskip"
         self.name = f"{self.kind}@L{self.exit_layer}"
-        self.confidences: list[float] = []  # the last call's draft probabilities
         # A context feature reads the previous position's final residual: the cache keeps the verifier's
         # (PromptCache.states); from the second draft on, the previous draft's exit state stands in for it.
         self.keeps_states = adapters and gate_index == 0 and m2r2.config.context_feature
@@ -51,14 +43,11 @@ class LayerDrafter:
         self.prior = prior if prior is not None else 0.3 if measured is None else measured
 
     def propose(self, tree: DraftTree, request: DraftRequest) -> int:
-        """Draft up to ``request.limit`` tokens after node ``request.after``; returns the draft steps taken.
-        A ``width`` > 1 also proposes the first step's next ``width - 1`` most likely tokens (deterministic
-        proposals); ``go_on(tree, node)`` decides whether to draft another token (default: while
-        confidence >= threshold). After a deeper node, the tokens on the way to it (another drafter's) first
-        run through the drafter's layers in one pass, writing their provisional keys and values."""
+        """Draft a chain of up to ``request.limit`` tokens after node ``request.after`` (the path to it first runs
+        through the drafter's layers in one pass), while ``go_on(tree, node)`` (default: confidence >= threshold);
+        a ``width`` > 1 adds the first step's next most likely tokens. Returns the draft steps taken."""
         cache, limit, s, eos_ids = request.cache, request.limit, request.sampling, request.eos_ids
         width, go_on, after = request.width, request.go_on, request.after
-        self.confidences = []
         path = tree.path(after)
         cur, parent, steps, written = tree.tokens[after], after, 0, len(path) - 1
         h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
@@ -76,7 +65,6 @@ class LayerDrafter:
             i = mx.argmax(probs) if s.greedy else mx.random.categorical(mx.log(probs))
             top = mx.argpartition(-probs, width - 1)[:width] if steps == 1 and width > 1 else None
             d, conf = int(self._token(i).item()), probs[i].item()
-            self.confidences.append(conf)
             q = None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0)
             node = tree.add(parent, d, self.kind, q)
             tree.signal[(self.kind, node)] = conf

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts
-from .tree import DraftTree, keep_positions, tree_positions
+from .tree import DraftTree, tree_positions
 
 PREFILL_CHUNK = 512
 KV_GROUP_SIZE = 64  # mlx-lm's default group for a quantized KV cache
@@ -115,8 +115,15 @@ class PromptCache:
     def commit(self, path: Sequence[int], total: int) -> None:
         """After ``forward_tree`` over ``total`` nodes: keep the nodes of ``path`` (increasing), as if decoded alone."""
         start = len(self) - total
+        if list(path) != list(range(len(path))):  # move the kept keys and values to start, start + 1, ...
+            idx = mx.array([start + k for k in path])
+            for layer in self.layers:  # mlx-lm's KVCache, or QuantizedKVCache's tuples
+                for name in ("keys", "values"):
+                    arrays = getattr(layer, name)
+                    for a in arrays if isinstance(arrays, tuple) else (arrays,):
+                        a[..., start : start + len(path), :] = a[..., idx, :]
         for layer in self.layers:
-            keep_positions(layer, start, path, total)
+            layer.trim(total - len(path))
         self._tokens[start:] = [self._tokens[start + i] for i in path]
         if self.states is not None:
             self.states = self.states[mx.array(list(path))]

@@ -33,8 +33,7 @@ class Decoder(Protocol):
 
 @dataclass
 class DraftRequest:
-    """What a drafter may read for one speculative step. The root of the tree is the last emitted token, not yet
-    in the cache."""
+    """What a drafter may read for one speculative step (the tree's root: the last token, not yet in the cache)."""
 
     cache: PromptCache | None  # the verifier's cache (a layer drafter runs its layers over it; lookup reads none)
     context: Sequence[int]  # every token so far, ending with the root
@@ -66,8 +65,8 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A planner's decision for one step: the nodes of the free drafters' tree to verify (root first; the root
-    alone and no ``draft``: a plain step), and where the model drafter drafts (None: it does not)."""
+    """One step's decision: the free drafters' nodes to verify (root first; the root alone and no ``draft``: a plain
+    step), and where the model drafter drafts (None: it does not)."""
 
     keep: Sequence[int]
     draft: DraftRequest | None = None
@@ -93,9 +92,8 @@ class Outcome:
 
 @runtime_checkable
 class Planner(Protocol):
-    """Everything adaptive in speculative decoding. ``plan`` sees the free drafters' proposals for a step (the
-    root is the last emitted token; ``request`` holds the step's context, limit and sampling) and decides what is
-    verified and how the model drafter drafts; ``observe`` learns from each step taken, plain steps included."""
+    """Everything adaptive in speculative decoding: ``plan`` sees the free drafters' proposals for a step and
+    decides what is verified and how the model drafter drafts; ``observe`` learns from each step, plain ones too."""
 
     def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan: ...
 

@@ -1,11 +1,9 @@
 """Lossless speculative decoding: drafters propose a tree of tokens, the full model verifies it in one forward.
 
-``Speculator.__call__`` is one step after another: the free drafters (prompt lookup) propose after y, the last
-emitted token; the planner (planner.py) keeps what is worth verifying and says where and how far the model drafter
-(the M2R2 fast stream, or a naive layer exit) drafts; one forward over the tree (tree.py) verifies, accepting a
-path and drawing the full model's next token; the cache keeps the path; the planner observes the step; the tokens
-go out. Where the plan verifies nothing, the engine decodes plainly, pipelined as plain decoding is, until drafting
-would pay. Greedy output is the full model's greedy output token for token; sampled output has its distribution.
+``Speculator.__call__`` is the mechanism, one step after another (docs/speculative.md, "One step"): propose, plan,
+draft, verify and commit, observe, emit. Where the plan verifies nothing, the engine decodes plainly, pipelined as
+plain decoding is, until drafting would pay. Greedy output is the full model's greedy output token for token;
+sampled output has its distribution.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from .events import EventStream, TokenEvent
 from .generate import start_decoding
 from .planner import VerifyAll
 from .prompt_cache import PromptCache
-from .protocols import Drafter, DraftRequest, Outcome, Planner, StepPlan
+from .protocols import Drafter, DraftRequest, Outcome, Planner
 from .sampling import NextToken, Sampling
 from .tree import DraftTree, describe, supports_trees, verify_tree
 
@@ -79,7 +77,7 @@ class Speculator:
             y, tic = ev.token, time.perf_counter()
             request = self._request(cache, cache.tokens + [y], events, s, constraint)
             tree = self._propose(request)  # 1. propose
-            plan = self._plan(tree, request)  # 2. plan
+            plan = self.planner.plan(tree, request)  # 2. plan
             if plan.plain:
                 for ev in self._plain_stretch(cache, tree, events, s, constraint):  # its last event: the next y
                     yield ev
@@ -90,7 +88,7 @@ class Speculator:
                 draft_steps = drafter.propose(tree, plan.draft)
                 draft_seconds = time.perf_counter() - t0
                 if s.greedy:  # exact for any tree: drop what the drafts did not make worth verifying
-                    tree = tree.keep(self._plan(tree, replace(request, limit=0)).keep)
+                    tree = tree.keep(self.planner.plan(tree, replace(request, limit=0)).keep)
             history = cache.tokens if s.reads_history else ()  # 4. verify and commit
             if constraint is not None:  # just after the root
                 constraint.at(cache.tokens + [y])
@@ -131,14 +129,6 @@ class Speculator:
             free.propose(tree, request)
         return tree
 
-    def _plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
-        """The planner's plan, with the grammar's forced text always verified."""
-        plan = self.planner.plan(tree, request)
-        forced = [n for n in range(1, len(tree)) if "grammar" in tree.sources[n]]
-        if not forced:
-            return plan
-        return replace(plan, keep=sorted({*plan.keep, *forced}))
-
     def _plain_stretch(
         self, cache: PromptCache, proposals: DraftTree, events: EventStream, s: Sampling, constraint
     ) -> Iterator[TokenEvent]:
@@ -178,7 +168,7 @@ class Speculator:
             request = self._request(cache, context, events, s, constraint)
             proposals = self._propose(request)
             # one more token comes before the draft step: leave only where that step may still draft
-            leave = events.max_tokens - events.n > 2 and not self._plan(proposals, request).plain
+            leave = events.max_tokens - events.n > 2 and not self.planner.plan(proposals, request).plain
             if events.n % 256 == 0:
                 mx.clear_cache()
             y, lp = next_y

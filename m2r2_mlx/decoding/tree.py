@@ -1,16 +1,11 @@
 """Draft trees: several candidate continuations verified by the full model in one forward, and the rule that
 verifies them.
 
-Node 0 is the root: the last emitted token, not yet in the cache. Every other node is a drafted token whose
-parent precedes it, so a path from the root is an increasing list of node indices. Each parent lists its
-proposals in the order verification tries them: (child node, q), where q is the distribution the drafter
-sampled the child from, or None when it chose the child deterministically (lookup, greedy drafts, top-k).
-Two drafters proposing the same token share the child node (and its subtree) and keep one proposal each.
-
-One forward computes every node: node i sits at position offset + depth(i) (RoPE takes one position per node,
-through mx.fast.rope's per-batch offsets) and attends to the cache and to its own ancestors only (the tree
-mask). Afterwards ``commit`` keeps the accepted path's keys and values, moved into consecutive positions, and
-drops the rest: the cache ends exactly as if the path had been decoded one token at a time.
+Node 0 is the root: the last emitted token, not yet in the cache; every other node is a drafted token after its
+parent. Each parent lists its proposals in the order verification tries them: (child, q), q the law the drafter
+sampled the child from (None: chosen deterministically). Two drafters proposing one token share the node. In the
+tree forward (PromptCache.forward_tree) node i sits at position offset + depth(i) and attends to the cache and its
+own ancestors; ``commit`` keeps the accepted path's keys and values, as if it had been decoded token by token.
 """
 
 from __future__ import annotations
@@ -48,10 +43,7 @@ class DraftTree:
         return len(self.tokens)
 
     def child(self, parent: int, token: int) -> int | None:
-        for node, _ in self.proposals[parent]:
-            if self.tokens[node] == token:
-                return node
-        return None
+        return next((node for node, _ in self.proposals[parent] if self.tokens[node] == token), None)
 
     def add(self, parent: int, token: int, source: str, q: mx.array | None = None) -> int:
         """Propose ``token`` after node ``parent``; returns its node (an existing one for a token already there)."""
@@ -69,11 +61,7 @@ class DraftTree:
         return node
 
     def add_chain(self, parent: int, tokens: Sequence[int], source: str) -> list[int]:
-        nodes = []
-        for t in tokens:
-            parent = self.add(parent, t, source)
-            nodes.append(parent)
-        return nodes
+        return [parent := self.add(parent, t, source) for t in tokens]
 
     def children(self, node: int) -> list[int]:
         return list(dict.fromkeys(n for n, _ in self.proposals[node]))
@@ -149,18 +137,6 @@ def tree_positions(layers, depths: Sequence[int]) -> Iterator[None]:
             a.rope = r
 
 
-def keep_positions(layer_cache, start: int, kept: Sequence[int], total: int) -> None:
-    """Of the ``total`` positions written at ``start``, keep those at offsets ``kept`` (increasing), moved to
-    start, start+1, ...; drop the rest. Works on mlx-lm's KVCache and QuantizedKVCache."""
-    if list(kept) != list(range(len(kept))):
-        idx = mx.array([start + k for k in kept])
-        for name in ("keys", "values"):
-            arrays = getattr(layer_cache, name)
-            for a in arrays if isinstance(arrays, tuple) else (arrays,):
-                a[..., start : start + len(kept), :] = a[..., idx, :]
-    layer_cache.trim(total - len(kept))
-
-
 @dataclass
 class Verified:
     """What verification accepted: the path (node indices from the root), the full model's token after it, and
@@ -179,16 +155,12 @@ def verify_tree(
     constraint: Constraint | None = None,
     logprobs: bool = False,
 ) -> Verified:
-    """The accepted path of ``tree`` and the token the full model emits after it.
-
-    ``logits`` (N, vocab) are the full model's at every node; ``history`` the sequence before the root (read by a
-    repetition penalty); ``constraint`` the answer's grammar, just after the root: each node's target is masked by
-    it (a draft it forbids is never accepted), and it follows the accepted path. Greedy: go to the child equal to
-    the argmax, while there is one. Sampling (SpecInfer's multi-candidate rule, lossless when each sampled
-    proposal is drawn independently from its q): at a node with target p, try the proposals in order; accept
-    child c proposed with q with probability min(1, p(c) / q(c)) (q one-hot for a deterministic proposal:
-    probability p(c)); on rejection p becomes norm(max(p - q, 0)); if every proposal is rejected, or there is
-    none, emit a sample of p.
+    """The accepted path of ``tree`` (``logits`` (N, vocab): the full model's at every node) and the token the
+    full model emits after it. ``history``: the sequence before the root (for a repetition penalty); ``constraint``:
+    the answer's grammar just after the root, which masks each node's target and follows the accepted path.
+    Greedy: follow the child equal to the argmax. Sampling: SpecInfer's multi-candidate rule (docs/speculative.md,
+    "Lossless, tested"): accept child c proposed with law q with probability min(1, p(c) / q(c)) (q one-hot for a
+    deterministic proposal), else p becomes norm(max(p - q, 0)) for the next; with none accepted, sample p.
     """
     history = list(history)
     node, path, rows = 0, [0], [] if logprobs else None
