@@ -133,9 +133,11 @@ class StepCosts:
     @_memoized
     def ratio(self, n: int) -> float:
         """A verification of ``n`` positions in plain steps (1 for the plain step itself)."""
+        if n <= 1:
+            return 1.0
         measured = {k: statistics.median(v) for k, s in self.samples.items() if len(v := self._fresh(s)) >= 2}
-        if n <= 1 or n in measured:
-            return measured.get(n, 1.0)
+        if n in measured:
+            return measured[n]
         if self.calibration is None:
             return _interpolate({1: 1.0, **measured}, n)
         return self.calibration.ratio(n) * self._scale()

@@ -72,12 +72,17 @@ class CostPlanner:
         return pi
 
     def floor(self, tree: DraftTree) -> list[int]:
-        node, nodes, first = 0, [], lambda kind: next((c for c in tree.children(node) if kind in tree.sources[c]), None)
-        while (forced := first("grammar")) is not None:
-            node = forced
+        """The nodes verified whatever the rates say: the grammar's forced chain, then up to ``lookup_floor`` nodes
+        of lookup's first continuation after it."""
+
+        def first_child(node: int, kind: str) -> int | None:
+            return next((c for c in tree.children(node) if kind in tree.sources[c]), None)
+
+        nodes = []
+        while (node := first_child(nodes[-1] if nodes else 0, "grammar")) is not None:
             nodes.append(node)
         for _ in range(self.lookup_floor):
-            if (node := first("lookup")) is None:
+            if (node := first_child(nodes[-1] if nodes else 0, "lookup")) is None:
                 break
             nodes.append(node)
         return nodes
