@@ -98,6 +98,8 @@ def measure(run: BenchRun, method: str, budget: float, link, clock: str = "wall"
 def _decode(run: BenchRun, method: str, budget: float, parts, timer: Clock) -> dict:
     model, cache, predictor = parts
     record = cache is not None and not run.traces
+    if method == "oracle":  # the warm-up's text is not the trace's: its true routes are unknown
+        predictor.trace = {}
     greedy(model, run.prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
     fast = predictor is not None and predictor.fast_layer_passes is not None
     p_i = 0
