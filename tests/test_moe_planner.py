@@ -93,3 +93,23 @@ def test_a_prefetch_spares_named_and_current_experts(store):
     assert planner.victim(layer, resident, demand=False) == resident[1]
     planner.detach()
     assert cache.planner is None
+
+
+@pytest.mark.parametrize("hit_rate, loads", [(1.0, True), (0.5, False)])
+def test_a_sure_prefetch_is_loaded_even_where_its_victim_is_likely_reused(store, hit_rate, loads):
+    """A right guess evicts what the layer's own load on demand would have evicted: only a wrong one pays for
+    the victim's reuse. So a prediction that is always right loads over a victim reused 100% of the time, and a
+    coin flip does not."""
+    lm = tiny_model("olmoe")
+    cache = offload_experts(lm.model, store, 0.25)  # 2 slots per layer
+    planner = PrefetchPlanner(PlannerConfig(governed=False)).attach(cache)
+    greedy(lm.model, PROMPT, 3, on_prefilled=cache.reset)
+    layer = cache.layers[1]
+    outside = next(e for e in range(cache.num_experts(layer)) if not cache.is_resident(layer, e))
+    planner._used_now[layer] = (cache.step - 1, set())  # nothing the current token used: every resident evictable
+    ahead = cache.ordinal(layer) - cache.position[1] + len(cache.layers)
+    for i in range(200):
+        planner.hits.observe(planner._hit_keys(layer, ahead, 0, None)[1:], i < 200 * hit_rate)
+        for rank in range(2):
+            planner.reuse.observe(planner._reuse_keys(layer, rank, False), True)
+    assert (planner.select(layer, [outside], cache.step + 1, None) == [outside]) is loads

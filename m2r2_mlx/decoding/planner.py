@@ -117,8 +117,7 @@ class CostPlanner:
     def go_on(self, tree: DraftTree, node: int) -> bool:
         """After the fast stream drafted ``node``: whether one more draft step is expected to pay."""
         keep, tokens, seconds = self.select(tree)
-        pi = self.reach(tree)[node] * self.rate(self.model_kind, tree.depths[node] + 1)
-        return pi * seconds > tokens * (self.costs.draft_cost() + self.costs.extra(len(keep)))
+        return self.drafting_pays(tree, node, len(keep), tokens, seconds, limit=1)
 
     def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
         if self.costs.plain_due:  # the plain step is timed again before anything is priced against it
