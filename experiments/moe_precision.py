@@ -49,6 +49,7 @@ class NoisyOracle(Oracle):
     def guess(self, step: int, layer: int, true: list[int]) -> list[int]:
         rng = np.random.default_rng((self.seed, step, layer))
         wrong = [e for e in rng.permutation(self.cache.num_experts(layer)).tolist() if e not in true]
+        assert len(wrong) >= len(true), "a wrong expert for every true one needs top-k <= experts / 2"
         return [e if rng.random() < self.precision else wrong.pop() for e in true]
 
 

@@ -5,17 +5,17 @@ A predictor names experts a later layer will need. Loading one ahead of time is 
 transfer ``t``:
 
     gain = p                   the probability the layer uses it, times the stall a hit saves (one transfer)
-    cost = (1 - p) * (u + q)   a wrong guess wastes link time (u: the link's measured busy share: an idle link
-                               loses nothing to it) and evicts an expert that is reused with probability q (it then
-                               comes back on demand). A right guess costs neither: the layer would have loaded the
-                               expert on demand, over the same link, evicting in the same order.
+    cost = (1 - p) * u + q     the link time a wrong guess wastes (u: the link's measured busy share: an idle link
+                               loses nothing to it) plus the reuse probability q of the expert it would evict: the
+                               chance that the same visit uses it, which a load on demand would have kept (it
+                               evicts only what the layer does not use), right guess or wrong
 
 and a load is issued only where gain exceeds cost by ``margin``. ``p`` is calibrated online from the hits of past
 predictions, scored whether loaded or not, per target layer, distance (MoE layers between the prediction and its
 use), rank in the prediction and confidence (the router's probability over the uniform one); ``q`` is measured
 from the routing history: per layer, how often the resident expert at each eviction rank was used at the next
-visit. Both are Beta posteriors read pessimistically (gain at mean minus one standard deviation, cost at mean plus
-one), with counts that decay each step, so estimates follow the text.
+visit. Both are Beta posteriors; the gain is read pessimistically (mean minus one standard deviation), the cost at
+its mean (one cautious read is enough), with counts that decay each step, so estimates follow the text.
 
 Eviction changes too: a prefetched expert evicts, in the policy's order, a resident expert that no pending
 prediction names for that layer, never one the current token used there (nor, as always, one the layer computes
@@ -158,8 +158,8 @@ class PrefetchPlanner:
         by_dist = self._pending_dist(layer) is not None
         for (p, e), (rank, _) in zip(sorted(candidates, key=lambda c: -c[0]), victims):
             self.decisions["considered"] += 1
-            q = 0.0 if rank is None else sum(self.reuse.posterior(self._reuse_keys(layer, rank, by_dist)))
-            if p <= (1 - p) * (max(self._util, self.config.min_util) + q) + self.config.margin:
+            q = 0.0 if rank is None else self.reuse.mean(self._reuse_keys(layer, rank, by_dist))
+            if p <= (1 - p) * max(self._util, self.config.min_util) + q + self.config.margin:
                 break  # the rest are less likely, and would evict experts more likely to come back
             chosen.append(e)
         self.decisions["loaded"] += len(chosen)
@@ -183,7 +183,7 @@ class PrefetchPlanner:
         # the victim's reuse under the ordering this layer's evictions have followed (the one with more history)
         keys = max((self._reuse_keys(layer, 0, d) for d in (False, True)), key=lambda k: self.reuse.counts[k[0]][1])
         q = self.reuse.posterior(keys)[0]
-        return p > (1 - p) * (self.config.min_util + q) + self.config.margin
+        return p > (1 - p) * self.config.min_util + q + self.config.margin
 
     def victim(self, layer: int, candidates: Sequence[int], demand: bool) -> int | None:
         """Which of ``candidates`` (resident, not needed by the layer computing now) a load into ``layer`` evicts:
