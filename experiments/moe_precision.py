@@ -19,15 +19,11 @@ from pathlib import Path
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.moe import Oracle
 from m2r2_mlx.moe.planner import PlannerConfig, PrefetchPlanner
-from m2r2_mlx.moe.profiles import get_profile
 
 import numpy as np
 
-from m2r2_bench import moe_rows
-from m2r2_bench.moe_bench import MoEBenchConfig, open_store
-from m2r2_bench.moe_rows import BenchRun, measure
+from experiments.moe_planner_gap import measure_changed, short_run
 
-MODEL = "build/smollm2-moe"
 LEAD = 3
 PRECISIONS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 
@@ -39,14 +35,8 @@ class NoisyOracle(Oracle):
         super().__init__(trace, lookahead)
         self.precision, self.seed = precision, seed
 
-    def on_layer(self, layer, x) -> None:
-        cache, n = self.cache, len(self.cache.layers)
-        for j in range(cache.ordinal(layer) + 1, cache.ordinal(layer) + 1 + self.lookahead):
-            step, target = cache.step + j // n, cache.layers[j % n]
-            if true := self.trace.get((step, target)):
-                cache.prefetch(target, self.guess(step, target, true), step=step)
-
-    def guess(self, step: int, layer: int, true: list[int]) -> list[int]:
+    def routes(self, step: int, layer: int) -> list[int]:
+        true = super().routes(step, layer)
         rng = np.random.default_rng((self.seed, step, layer))
         wrong = [e for e in rng.permutation(self.cache.num_experts(layer)).tolist() if e not in true]
         assert len(wrong) >= len(true), "a wrong expert for every true one needs top-k <= experts / 2"
@@ -68,30 +58,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/moe_precision"))
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
-    config = MoEBenchConfig(
-        model=MODEL, adapters=f"{MODEL}-m2r2", profile=get_profile("macbook"), num_prompts=2, max_tokens=24
-    )
-    ids = np.load(f"{MODEL}/heldout.npy")
-    prompts = [ids[i * (ids.size // 2) :][:48] for i in range(2)]
-    store, _ = open_store(config)
-    run = BenchRun(config, store, prompts)
-    measure(run, "resident", 100.0, None, "device")  # the reference tokens
-    setup, rows = moe_rows.setup, []
-    try:
-        for budget in budgets:
-            lru = measure(run, "lru", budget, None, "device")
-            rows.append((budget, "on-demand LRU", lru, lru))
-            for precision in PRECISIONS:
-                moe_rows.setup = lambda *a, c=_planned(precision): c(*setup(*a), a[0])
-                row = measure(run, "oracle", budget, None, "device")
-                moe_rows.setup = setup
-                rows.append((budget, f"{precision:.0%} precise, planned", row, lru))
-                print(budget, precision, f"{row['tokens_per_s'] / lru['tokens_per_s']:.2f}x", flush=True)
-    finally:
-        moe_rows.setup = setup
+    run, rows = short_run(), []
+    for budget in budgets:
+        lru = measure_changed(run, "lru", budget)
+        rows.append((budget, None, lru, lru))
+        for precision in PRECISIONS:
+            row = measure_changed(run, "oracle", budget, _planned(precision))
+            rows.append((budget, precision, row, lru))
+            print(budget, precision, f"{row['tokens_per_s'] / lru['tokens_per_s']:.2f}x", flush=True)
     head = "| budget | predictor | device tokens/s | vs LRU | hit rate | loads/token | stall ms/token | same tokens |"
     lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for budget, label, row, lru in rows:
+    for budget, precision, row, lru in rows:
+        label = "on-demand LRU" if precision is None else f"{precision:.0%} precise, planned"
         lines.append(
             f"| {budget:g}% | {label} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / lru['tokens_per_s']:.2f}x "
             f"| {row['hit_rate']:.1%} | {row['loads_per_token']:.1f} | {row['stall_ms_per_token']:.1f} "
@@ -113,9 +91,9 @@ def _plot(rows, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for budget in sorted({r[0] for r in rows}):
         pts = [
-            (float(label.split("%")[0]) / 100, row["tokens_per_s"] / lru["tokens_per_s"])
-            for b, label, row, lru in rows
-            if b == budget and label != "on-demand LRU"
+            (precision, row["tokens_per_s"] / lru["tokens_per_s"])
+            for b, precision, row, lru in rows
+            if b == budget and precision is not None
         ]
         ax.plot(*zip(*pts), marker="o", label=f"{budget:g}% of the experts")
     ax.axhline(1.3, color="grey", linestyle="--", linewidth=1, label="issue 40's gate (1.3x LRU)")

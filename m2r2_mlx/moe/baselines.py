@@ -133,11 +133,15 @@ class Oracle(LookaheadPredictor):
         self.trace = trace
 
     def predict(self, layer: int, x: mx.array) -> list[int]:
-        return list(self.trace.get((self.cache.step, layer), []))
+        return self.routes(self.cache.step, layer)
+
+    def routes(self, step: int, layer: int) -> list[int]:
+        """The experts it names for ``layer`` at ``step`` (the recorded ones)."""
+        return list(self.trace.get((step, layer), []))
 
     def on_layer(self, layer: int, x: mx.array) -> None:
         cache, n = self.cache, len(self.cache.layers)
         for j in range(cache.ordinal(layer) + 1, cache.ordinal(layer) + 1 + self.lookahead):
             step, target = cache.step + j // n, cache.layers[j % n]
-            if experts := self.trace.get((step, target)):
+            if experts := self.routes(step, target):
                 cache.prefetch(target, experts, step=step)
