@@ -34,6 +34,8 @@ def split(source: str | Path, folder: str | Path, part_mib: int = DEFAULT_PART_M
     if (folder / MANIFEST).exists():
         refuse_existing(folder / MANIFEST, force)
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(f"{source.name}.[0-9][0-9][0-9]"):  # an earlier split's, in other sizes
+        stale.unlink()
     parts, size = [], part_mib << 20
     with open(source, "rb") as f:
         while block := f.read(size):

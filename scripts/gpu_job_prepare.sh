@@ -8,7 +8,8 @@
 #   JOB/wheels/     the gguf wheel (the GPU image lacks it; the GGUF importer needs it); WHEELS=0 skips the download
 # PROMPTS_LIMIT=N keeps the first N prompts (the CPU rehearsal). PART_MIB=30 cuts smaller parts (a call carries the
 # working tree too). FROM=data/smollm2-gpu1 retrains on an earlier run's prompts and answers (JOB/answers.jsonl.gz):
-# the job then samples and distils nothing, and every GPU minute trains.
+# the job then samples nothing and distils only what EXTRA adds. EXTRA=FILE.jsonl.gz appends more conversations
+# (e.g. data/smollm2-gpu3/prompts.jsonl.gz, requests like users'), which the base answers there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOB=${1:-build/gpu-job}
@@ -23,6 +24,7 @@ else
   for v in 2 3 4; do gunzip -c data/smollm2-v$v/prompts.jsonl.gz; done > "$JOB/prompts.jsonl"
   rm -f "$JOB/answers.jsonl.gz"
 fi
+[ -z "${EXTRA:-}" ] || gunzip -c "$EXTRA" >> "$JOB/prompts.jsonl"
 [ -z "${PROMPTS_LIMIT:-}" ] || sed -i "$((PROMPTS_LIMIT + 1)),\$d" "$JOB/prompts.jsonl"
 echo "$(wc -l < "$JOB/prompts.jsonl") prompts in $JOB/prompts.jsonl"
 if $PY -m m2r2_tools.corpora -o "$JOB/corpora" --prompts 0 --text-chars "${TEXT_CHARS:-1000000}" 2>/dev/null; then

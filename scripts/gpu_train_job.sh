@@ -27,6 +27,8 @@ LR=${LR:-2e-3}
 RANK=${RANK:-256,64,64,64}   # the packaged recipe: the drafting interval wider
 CONTEXT=${CONTEXT:-1}        # the first interval reads the previous position's final state (--context-feature)
 GATES=${GATES:-6,12,18,24}
+INIT=${INIT:-}                # warm start from this adapters folder (its rank and context feature; RANK, CONTEXT unused)
+TRAIN_GATES=${TRAIN_GATES:-}  # e.g. 6: train that gate's interval only; the others stay as INIT has them
 NPROC=${NPROC:-1}
 DEVICE=${DEVICE:-}                 # cpu for the rehearsal; default: cuda when there is one
 mkdir -p "$RUN"
@@ -62,10 +64,13 @@ if [ -f "$RUN/adapters/torch/adapters.pt" ]; then
   echo "already trained: $RUN/adapters"
 else
   if [ -f "$RUN/adapters/checkpoint/state.json" ]; then again=--resume; else again=--force; fi
+  if [ -n "$INIT" ]; then shape=(--init "$INIT"); else shape=(--rank "$RANK"); fi
+  [ -n "$INIT" ] || [ "$CONTEXT" != 1 ] || shape+=(--context-feature)
+  [ -z "$TRAIN_GATES" ] || shape+=(--train-gates "$TRAIN_GATES")
   launch=("$PY" -m m2r2_torch.train)
   [ "$NPROC" -gt 1 ] && launch=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m m2r2_torch.train)
   "${launch[@]}" --model "$RUN/base" --base-name smollm2 --data "$RUN/data/data.npy" --seq-len "$SEQ_LEN" \
-    --batch-size "$BATCH" --steps "$STEPS" --lr "$LR" --rank "$RANK" --gates "$GATES" $([ "$CONTEXT" = 1 ] && echo --context-feature) --eval-rows 64 \
+    --batch-size "$BATCH" --steps "$STEPS" --lr "$LR" --gates "$GATES" "${shape[@]}" --eval-rows 64 \
     --checkpoint-every 100 -o "$RUN/adapters" $again $device ${MAX_MINUTES:+--max-minutes $MAX_MINUTES}
 fi
 stage "6 done"

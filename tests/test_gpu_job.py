@@ -89,3 +89,51 @@ def test_gpu_job_rehearsal_on_the_cpu(lm, tmp_path):
     m2r2 = load_adapters(lm, run / "adapters")
     assert m2r2.config.base_model == "smollm2" and m2r2.config.extra["recipe"]["steps"] == 2
     assert (run / "adapters" / "torch" / "adapters.pt").is_file() and (run / "distilled.jsonl.gz").is_file()
+
+
+def _tiny_wheel(folder: Path) -> Path:
+    """A real wheel of one module, ``m2r2_tiny_wheel``, built here (no network)."""
+    import zipfile
+
+    wheel = folder / "m2r2_tiny_wheel-1.0-py3-none-any.whl"
+    info = "m2r2_tiny_wheel-1.0.dist-info"
+    files = {
+        "m2r2_tiny_wheel.py": "ANSWER = 42\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: m2r2-tiny-wheel\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in {**files, f"{info}/RECORD": record}.items():
+            z.writestr(name, text)
+    return wheel
+
+
+def test_the_accelerator_job_installs_a_wheel_that_travelled_in_parts(tmp_path):
+    """scripts/gpu_mlx_job.sh's first stage, as on the GPU machine: a wheel split into parts joins back (checked) and
+    installs without network into RUN/site, beside links that make the apps importable under their names."""
+    wheel = _tiny_wheel(tmp_path)
+    job = tmp_path / "job"
+    split(wheel, job / "parts" / wheel.stem, part_mib=1)
+    run, out = tmp_path / "run", tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "STOP_AFTER": "install", "GGUF": str(tmp_path / "none.gguf")}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_mlx_job.sh"), str(job), str(run), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (run / "wheels" / wheel.name).read_bytes() == wheel.read_bytes()
+    check = "import m2r2_tiny_wheel; print(m2r2_tiny_wheel.ANSWER)"
+    site = {**os.environ, "PYTHONPATH": str(run / "site")}
+    assert subprocess.run([sys.executable, "-c", check], env=site, capture_output=True, text=True).stdout == "42\n"
+    assert (run / "site" / "m2r2_bench").resolve() == ROOT / "bench"
+
+
+def test_splitting_again_in_larger_parts_leaves_no_part_of_the_first_split(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(np.random.default_rng(1).bytes((5 << 20) // 2))
+    split(tmp_path / "model.gguf", tmp_path / "parts", part_mib=1)
+    split(tmp_path / "model.gguf", tmp_path / "parts", part_mib=2, force=True)
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [MANIFEST, "model.gguf.000", "model.gguf.001"]
