@@ -151,8 +151,7 @@ class PrefetchPlanner:
             # the best candidate of a layer also tells whether predicting the layer is worth its own work (wants)
             scored = keys if candidates else keys + (("top", layer), ("top",))
             self._pending.setdefault((step, layer), []).append((e, scored))
-            mean, std = self.hits.posterior(keys)
-            candidates.append((max(mean - std, 0.0), e))
+            candidates.append((self.hits.pessimistic(keys), e))
         victims = self._victims(layer, step)
         chosen = []
         by_dist = self._pending_dist(layer) is not None
@@ -179,10 +178,10 @@ class PrefetchPlanner:
                 return True  # the governor's probe measures every layer's predictions
         if self.cache.step % self.config.probe_every == 0 or self.cache.tokens_now != 1:
             return True
-        p = self.hits.posterior((("top", layer), ("top",)))[0]
+        p = self.hits.mean((("top", layer), ("top",)))
         # the victim's reuse under the ordering this layer's evictions have followed (the one with more history)
         keys = max((self._reuse_keys(layer, 0, d) for d in (False, True)), key=lambda k: self.reuse.counts[k[0]][1])
-        q = self.reuse.posterior(keys)[0]
+        q = self.reuse.mean(keys)
         return p > (1 - p) * self.config.min_util + q + self.config.margin
 
     def victim(self, layer: int, candidates: Sequence[int], demand: bool) -> int | None:
