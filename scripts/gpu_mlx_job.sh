@@ -99,12 +99,15 @@ EOF
 RES=$RUN/results
 mkdir -p "$RES"
 pack() { tar czf "$OUT/results.tgz" -C "$RUN" results; }
+due() {  # NAME SECONDS DONE_FILE: whether a measurement runs now (not done before, and time left for it)
+  if [ -f "$3" ]; then echo "$1: done before"; return 1; fi
+  if [ "$(left)" -lt "$2" ]; then echo "$1: skipped, $(left) s left of the call's $DEADLINE_S"; return 1; fi
+  stage "$1"
+}
 bench() {  # NAME SECONDS ARGS...: one m2r2-bench run into RES/NAME
   local name=$1 need=$2
   shift 2
-  if [ -f "$RES/$name/results.md" ]; then echo "$name: done before"; return; fi
-  if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s left of the call's $DEADLINE_S"; return; fi
-  stage "bench $name"
+  due "$name" "$need" "$RES/$name/results.md" || return 0
   timeout "$(left)" $PY -m m2r2_bench.specbench --adapters "$ADAPTERS" --categories "$CATEGORIES" --limit "$LIMIT" \
     --turns 2 --max-tokens "$MAX_TOKENS" --out "$RES/$name" "$@" || echo "$name: failed or timed out (rc $?)"
   pack
@@ -112,9 +115,7 @@ bench() {  # NAME SECONDS ARGS...: one m2r2-bench run into RES/NAME
 measure() {  # NAME SECONDS COMMAND...: one measurement writing RES/NAME.md
   local name=$1 need=$2
   shift 2
-  if [ -f "$RES/$name.md" ]; then echo "$name: done before"; return; fi
-  if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s left of the call's $DEADLINE_S"; return; fi
-  stage "$name"
+  due "$name" "$need" "$RES/$name.md" || return 0
   timeout "$(left)" "$@" > "$RES/$name.log" 2>&1 && cp "$RES/$name.log" "$RES/$name.md" || echo "$name: failed (rc $?)"
   tail -25 "$RES/$name.log"
   pack

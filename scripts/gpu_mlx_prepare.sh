@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 JOB=${1:-build/mlx-job}
 PY=${PYTHON:-python}
 MLX=${MLX:-0.32.4}
+PART_MIB=${PART_MIB:-58}
 MLX_LM=${MLX_LM:-$($PY -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')}
 mkdir -p "$JOB/wheels" "$JOB/parts"
 download() {
@@ -19,9 +20,9 @@ download() {
 download "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLX_LM" gguf jinja2 markupsafe pyyaml sentencepiece protobuf tqdm \
   llguidance
 for wheel in "$JOB"/wheels/*.whl; do
-  if [ "$(stat -c %s "$wheel")" -gt $((${PART_MIB:-58} * 1048576)) ]; then
+  if [ "$(stat -c %s "$wheel")" -gt $((PART_MIB * 1048576)) ]; then
     name=$(basename "$wheel" .whl)
-    $PY -m m2r2_torch.parts split "$wheel" "$JOB/parts/$name" --part-mib "${PART_MIB:-58}" --force
+    $PY -m m2r2_torch.parts split "$wheel" "$JOB/parts/$name" --part-mib "$PART_MIB" --force
     rm "$wheel"
   fi
 done

@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 from m2r2_mlx.atomic import atomic_folder, refuse_existing
-from m2r2_mlx.core.config import M2R2Config
+from m2r2_mlx.checksums import RECORD
+from m2r2_mlx.core.config import ADAPTERS_FILE, CONFIG_FILE, M2R2Config
 from m2r2_mlx.core.integrity import record_hashes
 from m2r2_mlx.errors import M2R2Error, run_cli
 
 from safetensors.numpy import load_file, save_file
 
 PROG = "python -m m2r2_tools.splice_adapters"
-WEIGHTS = "adapters.safetensors"
 
 
 def first_interval_keys(cfg: M2R2Config, names: list[str]) -> list[str]:
@@ -39,19 +39,19 @@ def splice(first: Path, rest: Path, out: Path, force: bool = False) -> list[str]
     shape = [(c.gates, c.adapter_rank, c.adapter_form, c.context_feature, c.base_config_hash) for c in cfgs]
     if shape[0] != shape[1]:
         raise M2R2Error(f"{first} and {rest} differ in gates, ranks, form, context feature or base; splice alike ones")
-    a, b = load_file(str(first / WEIGHTS)), load_file(str(rest / WEIGHTS))
+    a, b = load_file(str(first / ADAPTERS_FILE)), load_file(str(rest / ADAPTERS_FILE))
     taken = first_interval_keys(cfgs[0], sorted(a))
     if any(k not in b or a[k].shape != b[k].shape for k in taken):
         raise M2R2Error(f"{first}'s first interval does not fit {rest}'s; splice folders of the same shape")
     refuse_existing(out, force)
     with atomic_folder(out) as tmp:
         for f in rest.iterdir():
-            if f.is_file() and f.name not in (WEIGHTS, "complete.json"):
+            if f.is_file() and f.name not in (ADAPTERS_FILE, RECORD):
                 shutil.copy2(f, tmp / f.name)
-        save_file({**b, **{k: a[k] for k in taken}}, str(tmp / WEIGHTS))
-        config = json.loads((tmp / "m2r2_config.json").read_text())
+        save_file({**b, **{k: a[k] for k in taken}}, str(tmp / ADAPTERS_FILE))
+        config = json.loads((tmp / CONFIG_FILE).read_text())
         config.setdefault("extra", {})["spliced"] = {"first_interval": str(first), "rest": str(rest)}
-        (tmp / "m2r2_config.json").write_text(json.dumps(config, indent=2))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     record_hashes(out)  # checksums, as every adapters folder m2r2 writes has them
     return taken
 

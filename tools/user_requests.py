@@ -59,55 +59,52 @@ def _with_text(ask: str, text: str, rng: random.Random) -> str:
     return rng.choice([f"{ask}\n\n{text}", f"{text}\n\n{ask}", f'{ask}\n\n"""\n{text}\n"""'])
 
 
-def passage_question(corpora: Corpora, rng: random.Random) -> list[str]:
-    what, text = _pasted(corpora, rng)
-    ask = rng.choice(
-        [
-            "What is this passage mainly about?",
-            f"This is from {what}. What is the speaker trying to convince the listener of?",
-            "Based only on this text, what do we learn about the people in it?",
-            "What does the last sentence mean here?",
-            "Which words in this passage tell you about its tone? Give examples.",
-            "Is anything in this text surprising or hard to believe? Why?",
-            "Pick the most important sentence in this text and explain your choice.",
-            f"I'm reading {what}. What happens in this part?",
-            "What would be a good question to ask a student about this passage, and what is its answer?",
-        ]
-    )
-    return [_with_text(ask, text, rng)]
+def _about_passage(asks: list[str]):
+    """A kind that pastes a passage and asks one of ``asks`` about it (``{what}``: where the passage is from)."""
+
+    def make(corpora: Corpora, rng: random.Random) -> list[str]:
+        what, text = _pasted(corpora, rng)
+        return [_with_text(rng.choice(asks).format(what=what), text, rng)]
+
+    return make
 
 
-def passage_summary(corpora: Corpora, rng: random.Random) -> list[str]:
-    what, text = _pasted(corpora, rng)
-    ask = rng.choice(
-        [
-            "tl;dr?",
-            "Can you give me the gist of this?",
-            "Summarize this for me.",
-            f"Summarize this bit of {what} in a few lines.",
-            "Write a headline and a three-sentence summary of this.",
-            "What are the key points here? Keep it brief.",
-            "Sum this up for someone who has no time to read it.",
-        ]
-    )
-    return [_with_text(ask, text, rng)]
-
-
-def passage_rewrite(corpora: Corpora, rng: random.Random) -> list[str]:
-    what, text = _pasted(corpora, rng)
-    ask = rng.choice(
-        [
-            "Rewrite this in modern, everyday English.",
-            "Make this easier to read.",
-            "Turn this into a short list of bullet points.",
-            "Rewrite this as a short social media post.",
-            "Can you make this sound more formal?",
-            "Paraphrase this so it says the same thing in different words.",
-            "Shorten this to about half its length.",
-            f"Rewrite this passage from {what} as a dialogue between two people.",
-        ]
-    )
-    return [_with_text(ask, text, rng)]
+passage_question = _about_passage(
+    [
+        "What is this passage mainly about?",
+        "This is from {what}. What is the speaker trying to convince the listener of?",
+        "Based only on this text, what do we learn about the people in it?",
+        "What does the last sentence mean here?",
+        "Which words in this passage tell you about its tone? Give examples.",
+        "Is anything in this text surprising or hard to believe? Why?",
+        "Pick the most important sentence in this text and explain your choice.",
+        "I'm reading {what}. What happens in this part?",
+        "What would be a good question to ask a student about this passage, and what is its answer?",
+    ]
+)
+passage_summary = _about_passage(
+    [
+        "tl;dr?",
+        "Can you give me the gist of this?",
+        "Summarize this for me.",
+        "Summarize this bit of {what} in a few lines.",
+        "Write a headline and a three-sentence summary of this.",
+        "What are the key points here? Keep it brief.",
+        "Sum this up for someone who has no time to read it.",
+    ]
+)
+passage_rewrite = _about_passage(
+    [
+        "Rewrite this in modern, everyday English.",
+        "Make this easier to read.",
+        "Turn this into a short list of bullet points.",
+        "Rewrite this as a short social media post.",
+        "Can you make this sound more formal?",
+        "Paraphrase this so it says the same thing in different words.",
+        "Shorten this to about half its length.",
+        "Rewrite this passage from {what} as a dialogue between two people.",
+    ]
+)
 
 
 def code_write(corpora: Corpora, rng: random.Random) -> list[str]:
