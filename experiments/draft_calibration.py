@@ -25,12 +25,12 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_drafter
+from m2r2_mlx.decoding.draft import Draft
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.protocols import DraftRequest
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
 from m2r2_mlx.decoding.stats import AnswerStats
-from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -59,14 +59,13 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
             last["logits"] = forward(tokens)
             return last["logits"]
 
-        def propose(tree, request):
+        def propose(draft, request):
             # the root came from the last forward's row after the drafts it accepted (the step's length - 1), or
             # from the prefill's last row before the first step
             row = stats.accept_lengths[-1] - 1 if stats.accept_lengths else -1
             before.append(mx.softmax(last["logits"][row].astype(mx.float32)).max().item())
-            steps = original(tree, request)
-            confs.append(tree.signal.get((drafter.kind, 1)))  # the first draft's probability
-            return steps
+            confs.append(first_draft_probability(drafter, cache, draft.tokens[-1]))
+            return original(draft, request)
 
         cache.forward, drafter.propose = keep_logits, propose
         try:  # each step's length is known (its last event read) before the next step drafts
@@ -82,9 +81,20 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
     return pairs, signals
 
 
+def first_draft_probability(drafter, cache, token: int) -> float:
+    """The probability of the drafter's first draft after ``token`` (its draft step run once more, the cache left
+    as it was)."""
+    h_prev = cache.states[-1] if drafter.keeps_states and cache.states is not None else None
+    args = (drafter.gate_index, cache.layers, drafter.head, drafter.adapters, h_prev)
+    probs = mx.softmax(drafter.m2r2.draft_logits(mx.array(token), *args).astype(mx.float32))
+    for layer in cache.layers[: drafter.exit_layer]:
+        layer.trim(1)
+    return probs.max().item()
+
+
 def draft_step(drafter, cache, token: int) -> None:
     """One draft step after ``token``, the cache left as it was."""
-    drafter.propose(DraftTree.root(token), DraftRequest(cache, (), 1, Sampling(), set()))
+    drafter.propose(Draft.root(token), DraftRequest(cache, (), 1, Sampling(), set()))
 
 
 def step_costs(lm, drafter, ks=(2, 3, 4, 6, 8), repeats: int = 21) -> dict:

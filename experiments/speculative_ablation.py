@@ -10,7 +10,8 @@ the next question, so drift on the shared machine hits every variant alike. Writ
 tokens, times and acceptance) and results.md (speedup over plain per category, tokens per step, and what a step
 costs in plain steps). The ablation that chose the engine's pieces ran on the engine before issue 39 (commit
 0e6c820, where this script also switched off the pieces since removed: staleness, shadow chains, probes, context
-buckets, floors, new-answer scaling; shadow scoring came back in its present form for the session check).
+buckets, floors, new-answer scaling; shadow scoring came back in its present form for the session check); draft
+trees and the acceptance signal were switched off here until they were removed (commit df1caa2).
 
 Each variant is the built engine with one piece replaced (the product has no switches for them):
 """
@@ -42,31 +43,23 @@ from m2r2_bench.questions import ordered, select_questions
 from m2r2_bench.report import summarise
 
 
-class NoSignal(CostPlanner):
-    @staticmethod
-    def keys(kind, depth, signal):
-        return ((kind, min(depth, 4)),)
-
-
 class NoOptimism(CostPlanner):
-    def rate(self, kind, depth, signal=None):
-        return self.rates.mean(self.keys(kind, depth, signal), self.priors.get(kind, 0.5))
+    def rate(self, kind, position):
+        return self.rates.mean(self.keys(kind, position), self.priors.get(kind, 0.5))
 
 
 class GreedySelection(CostPlanner):
-    """Selection without best-prefix: nodes join in order of pi only while each one raises tokens per second."""
+    """Selection without best-prefix: positions join only while each one raises tokens per second."""
 
-    def select(self, tree):
-        pi = self.reach(tree)
-        order = sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i]))[: self.max_nodes]
-        tokens, seconds, kept = 1.0, self.costs.verify_cost(1), [0]
-        for n, node in enumerate(order, start=1):
-            t, s = tokens + pi[node], seconds + self.costs.extra(n)
+    def select(self, draft):
+        pi = self.reach(draft)
+        tokens, seconds, n = 1.0, self.costs.verify_cost(1), 1
+        while n < len(draft):
+            t, s = tokens + pi[n], seconds + self.costs.extra(n)
             if t / s <= tokens / seconds:
                 break
-            tokens, seconds = t, s
-            kept.append(node)
-        return sorted(kept), tokens, seconds
+            tokens, seconds, n = t, s, n + 1
+        return n, tokens, seconds
 
 
 class NoShadow(CostPlanner):
@@ -75,12 +68,10 @@ class NoShadow(CostPlanner):
 
 
 PIECES = {
-    "trees": "one candidate at the first position (tree width 1)",
     "cost-model": "every proposal of both drafters verified (the planner always)",
     "calibration": "no calibrated costs: the first steps price every size from a guess, then what they measure",
     "aging": "samples never age out; the plain step is not timed again for age",
     "best-prefix": "nodes join only while each one alone raises tokens per second",
-    "signal": "acceptance by drafter and depth only (no n-gram length, no draft probability)",
     "optimism": "the fast stream priced at its mean rate",
     "shadow": "plain stretches teach nothing: the proposals they did not verify are not scored",
     "floor": "lookup's first continuation priced like every other node (before issue 39's held-out run)",
@@ -98,9 +89,7 @@ def make_variant(lm, name: str, settings: MethodSettings):
         return make_method(lm, name, settings)
     piece = name[3:]
     config = DecodeConfig("speculative", gate=settings.gate)
-    if piece == "trees":
-        config = replace(config, tree_width=1)
-    elif piece == "cost-model":
+    if piece == "cost-model":
         config = replace(config, planner="always")
     engine = make_decoder(lm, config, settings.adapters)
     planner = engine.planner
@@ -110,10 +99,10 @@ def make_variant(lm, name: str, settings: MethodSettings):
         planner.lookup_floor = 0
     elif piece == "aging":
         planner.costs.max_age = 10**9
-    elif piece in ("best-prefix", "signal", "optimism", "shadow"):
-        variants = {"best-prefix": GreedySelection, "signal": NoSignal, "optimism": NoOptimism, "shadow": NoShadow}
+    elif piece in ("best-prefix", "optimism", "shadow"):
+        variants = {"best-prefix": GreedySelection, "optimism": NoOptimism, "shadow": NoShadow}
         planner.__class__ = variants[piece]
-    elif piece not in ("trees", "cost-model"):
+    elif piece != "cost-model":
         raise ValueError(f"unknown piece {piece!r}; choose from {', '.join(PIECES)}")
     return engine
 

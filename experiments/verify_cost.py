@@ -1,10 +1,10 @@
-"""What a verification costs against a plain step, by width, shape and context length, and how much of it is exp.
+"""What a verification costs against a plain step, by width and context length, and how much of it is exp.
 
     python -m experiments.verify_cost --out docs/verify_cost.md
 
-For each context length: the plain one-token step; a chain and a two-branch tree of 4, 8 and 16 positions
-(forward only, and the tree with the commit that moves the accepted path's keys and values into place); and one
-layer's attention softmax at that width, timed against numpy's exp over as many elements. Medians of --rounds.
+For each context length: the plain one-token step; a verification of 4, 8 and 16 positions (the forward over the
+draft, its positions then trimmed); and one layer's attention softmax at that width, timed against numpy's exp
+over as many elements. Medians of --rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.prompt_cache import PromptCache, prefill
-from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.registry import load_model
 
@@ -37,28 +36,9 @@ def median_seconds(fn, rounds: int) -> float:
     return statistics.median(times[1:])  # the first round warms the shapes
 
 
-def chain(ids: list[int], n: int) -> DraftTree:
-    tree = DraftTree.root(ids[0])
-    tree.add_chain(0, ids[1:n], "lookup")
-    return tree
-
-
-def two_branches(ids: list[int], n: int) -> DraftTree:
-    tree, half = DraftTree.root(ids[0]), (n - 1) // 2
-    tree.add_chain(0, ids[1 : 1 + half], "lookup")
-    tree.add_chain(0, ids[50 : 50 + n - 1 - half], "fast")
-    return tree
-
-
-def verify(cache: PromptCache, tree: DraftTree, commit: bool) -> None:
-    mx.eval(cache.forward_tree(tree))
-    if commit:  # the second branch's last node: a path that is not a prefix, so its keys and values move
-        path = tree.path(len(tree) - 1)
-        cache.commit(path, len(tree))
-        mx.eval([c.state for c in cache.layers])
-        cache.trim(len(path))
-    else:
-        cache.trim(len(tree))
+def verify(cache: PromptCache, tokens: list[int]) -> None:
+    mx.eval(cache.forward(tokens))
+    cache.trim(len(tokens))
 
 
 def softmax_share(lm, context: int, n: int, rounds: int) -> tuple[float, float]:
@@ -82,8 +62,8 @@ def measure(contexts: list[int], rounds: int) -> str:
         "(the plain one-token step at the same context = 1). The softmax columns: one attention layer's softmax at",
         f"that width, times {layers} layers, in plain steps; numpy's exp over as many elements beside it.",
         "",
-        "| context | plain step | positions | chain | tree | tree + commit | softmax, all layers | numpy exp |",
-        "|---|---|---|---|---|---|---|---|",
+        "| context | plain step | positions | verification | softmax, all layers | numpy exp |",
+        "|---|---|---|---|---|---|",
     ]
     for context in contexts:
         cache = PromptCache(lm.model)
@@ -96,13 +76,10 @@ def measure(contexts: list[int], rounds: int) -> str:
         draft = ids[context : context + 64]
         plain_s = median_seconds(plain, rounds)
         for n in WIDTHS:
-            row = [
-                median_seconds(lambda: verify(cache, make(draft, n), commit), rounds) / plain_s
-                for make, commit in ((chain, False), (two_branches, False), (two_branches, True))
-            ]
+            cost = median_seconds(lambda: verify(cache, draft[:n]), rounds) / plain_s
             sm, npx = softmax_share(lm, context, n, rounds)
             lines.append(
-                f"| {context} | {plain_s * 1e3:.1f} ms | {n} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | "
+                f"| {context} | {plain_s * 1e3:.1f} ms | {n} | {cost:.2f} | "
                 f"{sm * layers / plain_s:.2f} | {npx * layers / plain_s:.2f} |"
             )
     return "\n".join(lines) + "\n"

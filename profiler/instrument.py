@@ -2,9 +2,9 @@
 
 - the model: the embedding, each layer's attention (with its input norm) and feed-forward block (with its norm
   and the residual adds, which it evaluates), the final norm and the LM head;
-- the cache: a plain forward, a tree verification (by positions), the commit of the accepted path;
-- the speculative engine: planning (tree building), prompt lookup, the fast stream's drafting, its adapters and
-  draft head, acceptance (``verify_tree``);
+- the cache: a forward (by positions);
+- the speculative engine: planning, prompt lookup, the fast stream's drafting, its adapters and draft head, a
+  verification (by positions: its forward, acceptance (``verify``) and the cache keeping the accepted prefix);
 - early exit: the exit head and the exit decision (ARLA or confidence);
 - sampling everywhere, and an expert cache's loads (the forward pass's stall).
 
@@ -116,9 +116,11 @@ def _subset_head(p: Patches, rec: Recorder, head, kind: str) -> None:
 
 def _speculator(p: Patches, rec: Recorder, engine) -> None:
     planner = engine.planner
-    plan = lambda a, k, out: {"nodes": len(a[0]), "plain": out.plain}
+    plan = lambda a, k, out: {"positions": len(a[0]), "plain": out.plain}
     p.attribute(planner, "plan", timed(rec, planner.plan, "plan", "plan", note=plan))
     p.attribute(planner, "observe", timed(rec, planner.observe, "plan", "observe"))
+    size = lambda a, k: f"verify {len(a[1])}"
+    p.attribute(engine, "verify_step", timed(rec, engine.verify_step, "verify", size, note=_verified))
     for drafter in engine.free:
         p.attribute(drafter, "propose", timed(rec, drafter.propose, "lookup", "prompt lookup"))
     layer = engine.model_drafter
@@ -152,20 +154,17 @@ def _sampling(p: Patches, rec: Recorder) -> None:
     generate (start_decoding) or in speculative (a plain stretch)."""
     for module in (generate, speculative):
         p.attribute(module, "NextToken", _sampler_class(rec, module.NextToken))
-    note = lambda a, k, out: {"accepted": len(out.path) - 1}
-    p.attribute(speculative, "verify_tree", timed(rec, speculative.verify_tree, "accept", "acceptance", note=note))
+    note = lambda a, k, out: {"accepted": out.accepted}
+    p.attribute(speculative, "verify", timed(rec, speculative.verify, "accept", "acceptance", note=note))
 
 
 def _cache(p: Patches, rec: Recorder, cache) -> None:
     count = lambda a, k: f"forward {positions(a[0])}"
     p.attribute(cache, "forward", timed(rec, cache.forward, "forward", count))
-    tree = lambda a, k: f"verify {len(a[0])}"
-    p.attribute(cache, "forward_tree", timed(rec, cache.forward_tree, "verify", tree, note=_verified))
-    p.attribute(cache, "commit", timed(rec, cache.commit, "commit", "commit"))
 
 
 def _verified(args: tuple, kwargs: dict, out) -> dict:
-    return {"positions": len(args[0])}
+    return {"positions": len(args[1])}
 
 
 def instrument(recorder: Recorder, target: Target) -> Patches:

@@ -117,7 +117,7 @@ def step_args(step: Step, spans: Sequence[Span] = ()) -> dict:
         args["drafters"] = drafters
     verified = [s.args["positions"] for s in spans if s.kind == "verify" and "positions" in s.args]
     if verified:
-        args["nodes_verified"] = sum(verified)
+        args["positions_verified"] = sum(verified)
     drafted = sum(s.args.get("draft_steps", 0) for s in spans if s.kind == "draft")
     if drafted:
         args["draft_steps"] = drafted

@@ -19,11 +19,10 @@ from .steps import Step
 
 PHASES = {  # kind -> label (the phase's own time: its Python outside the timed calls)
     "forward": "plain forward",
-    "plan": "planning (building the draft tree)",
+    "plan": "planning",
     "lookup": "prompt lookup",
     "draft": "fast-stream drafting",
-    "verify": "verification",
-    "commit": "commit (keep the accepted path)",
+    "verify": "verification (keeping the accepted prefix)",
     "tail": "after the last token (deferred fills)",
     "resume": "resumed without a forward (whether to draft)",
     "step": "step",
@@ -38,7 +37,7 @@ COMPONENTS = {  # kind -> label, in table order
     "exit-head": "exit LM head (vocabulary subset)",
     "exit-rule": "exit decision",
     "sample": "sampling",
-    "accept": "acceptance (verify_tree)",
+    "accept": "acceptance (verify)",
     "expert-stall": "expert loads (the forward pass stalled)",
 }
 LAYERED = {"attention", "mlp", "adapter"}

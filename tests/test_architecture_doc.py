@@ -17,7 +17,7 @@ MODULES = [
     "m2r2_mlx.decoding.speculative",
     "m2r2_mlx.decoding.planner",
     "m2r2_mlx.decoding.drafters",
-    "m2r2_mlx.decoding.tree",
+    "m2r2_mlx.decoding.draft",
     "m2r2_mlx.decoding.protocols",
     "m2r2_mlx.decoding.costs",
     "m2r2_mlx.decoding.sampling",

@@ -59,7 +59,6 @@ def test_draft_and_verify_modes_answer_like_plain():
             (["--draft-vocab", "-1"], "--draft-vocab must be 0"),
             (["--draft", "0"], "--draft must be at least 1"),
             (["--threshold", "nan"], "--threshold must be in [0, 1]"),
-            (["--tree-width", "9"], "--tree-width must be in 1..8"),
             (["--planner", "sometimes"], "--planner must be one of"),
             (["--adapters", "/no/such/dir"], "not found"),
         ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.costs import Calibration, StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.draft import Draft
 from m2r2_mlx.decoding.drafters import PromptLookupDrafter
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
@@ -15,7 +16,6 @@ from m2r2_mlx.decoding.protocols import DraftRequest, Planner
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
-from m2r2_mlx.decoding.tree import DraftTree
 
 import mlx.core as mx
 import numpy as np
@@ -33,8 +33,7 @@ def reference_lookup(model, prompt: list[int], max_tokens: int, max_draft: int) 
     y = int(mx.argmax(cache.forward(prompt)[-1]).item())
     out, per_step = [y], []
     while len(out) < max_tokens:
-        found = lookup.continuations(prompt + out, min(max_draft, max_tokens - len(out) - 1))
-        drafts = found[0][0] if found else []
+        drafts = lookup.continuation(prompt + out, min(max_draft, max_tokens - len(out) - 1))
         targets = np.array(mx.argmax(cache.forward([y, *drafts]), axis=-1)).tolist()
         k = next((i for i, d in enumerate(drafts) if d != targets[i]), len(drafts))
         cache.trim(len(drafts) - k)
@@ -63,7 +62,7 @@ def test_verify_all_with_lookup_alone_is_prompt_lookup_decoding(lm):
 
 def test_the_lookup_mode_is_the_trivial_planner_with_lookup(lm):
     decoder = make_decoder(lm, DecodeConfig("lookup"))
-    assert isinstance(decoder.planner, VerifyAll) and [d.kind for d in decoder.free] == ["lookup"]
+    assert isinstance(decoder.planner, VerifyAll) and [d.kind for d in decoder.free] == ["grammar", "lookup"]
     assert decoder.model_drafter is None
     assert isinstance(make_decoder(lm, DecodeConfig("speculative")).planner, CostPlanner)
 
@@ -82,16 +81,17 @@ def cost_planner(verify_1: float, verify_8: float, rate: float, draft: float = 0
     for _ in range(2):
         costs.observe_verify(8, verify_8)
     costs.observe_draft(draft)
-    planner = CostPlanner([PromptLookupDrafter(prior=rate), FastStream()], max_nodes=16, costs=costs)
+    planner = CostPlanner([PromptLookupDrafter(prior=rate), FastStream()], costs)
     planner.priors["fast"] = rate
     planner.rates.strength = 1000
     return planner
 
 
-def lookup_chain() -> DraftTree:
-    tree = DraftTree.root(1)
-    tree.add_chain(0, [2, 3, 4], "lookup")
-    return tree
+def lookup_chain() -> Draft:
+    draft = Draft.root(1)
+    for t in (2, 3, 4):
+        draft.add(t, "lookup")
+    return draft
 
 
 def request(limit: int = 4) -> DraftRequest:
@@ -100,10 +100,10 @@ def request(limit: int = 4) -> DraftRequest:
 
 def test_the_cost_planner_verifies_only_what_pays():
     plan = cost_planner(0.050, 0.060, 0.8).plan(lookup_chain(), request())
-    assert list(plan.keep) == [0, 1, 2, 3] and plan.draft is None  # cheap positions, likely drafts: no fast stream
+    assert plan.keep == 4 and plan.draft is None  # cheap positions, likely drafts: no fast stream
     assert cost_planner(0.050, 0.400, 0.3).plan(lookup_chain(), request()).plain  # a position costs a token
     cheap = cost_planner(0.050, 0.060, 0.9, draft=0.002).plan(lookup_chain(), request(limit=8))
-    assert cheap.draft is not None and cheap.draft.after == 3 and cheap.draft.limit == 5  # after lookup's end
+    assert cheap.keep == 4 and cheap.draft is not None and cheap.draft.room(lookup_chain()) == 5  # after lookup's
 
 
 def test_lookups_first_tokens_are_verified_as_lookup_alone_verifies_them():
@@ -113,10 +113,12 @@ def test_lookups_first_tokens_are_verified_as_lookup_alone_verifies_them():
     assert planner.plan(lookup_chain(), request()).plain
     planner.lookup_floor = 2
     plan = planner.plan(lookup_chain(), request())
-    assert list(plan.keep) == [0, 1, 2] and plan.draft is None
-    tree = lookup_chain()
-    tree.add(0, 9, "fast")  # another candidate at the first position is not lookup's: priced as before
-    assert list(planner.plan(tree, request()).keep) == [0, 1, 2]
+    assert plan.keep == 3 and plan.draft is None
+    grammar = Draft.root(1)
+    grammar.add(5, "grammar")
+    for t in (2, 3, 4):
+        grammar.add(t, "lookup")
+    assert planner.plan(grammar, request()).keep == 4  # the grammar's forced text, then lookup's first two
 
 
 def test_a_chain_that_pays_as_a_whole_is_verified_whole():
@@ -125,10 +127,10 @@ def test_a_chain_that_pays_as_a_whole_is_verified_whole():
     copied span), is verified with them."""
     costs = StepCosts(Calibration(0.050, {2: 1.3, 4: 1.34, 8: 1.42}))
     costs.observe_plain(0.050)
-    planner = CostPlanner([PromptLookupDrafter()], max_nodes=8, costs=costs)
+    planner = CostPlanner([PromptLookupDrafter()], costs)
     for depth, accepted in ((1, 25), (2, 98), (3, 98)):
         for i in range(100):
-            planner.rates.observe(planner.keys("lookup", depth, None), i < accepted)
-    first = lookup_chain().keep([0, 1])
+            planner.rates.observe(planner.keys("lookup", depth), i < accepted)
+    first = lookup_chain().keep(2)
     assert planner.plan(first, request()).plain  # 1.25 tokens for 1.3 plain steps: alone it does not pay
-    assert list(planner.plan(lookup_chain(), request()).keep) == [0, 1, 2, 3]  # 1.74 for 1.34 (4 positions)
+    assert planner.plan(lookup_chain(), request()).keep == 4  # 1.74 for 1.34 (4 positions)

@@ -79,24 +79,17 @@ def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, monkeypa
     where the text repeats draft again, at 2.5 tokens a step or more. (On new writing a long-lived engine rightly stops
     drafting once it has learnt that drafts fail there, slowdown or not.)"""
     engine = make_decoder(lm, "speculative")
-    forward, forward_tree = PromptCache.forward, PromptCache.forward_tree
+    forward = PromptCache.forward
 
     def slow_forward(self, tokens):
         time.sleep(0.25)
         return forward(self, tokens)
 
-    def slow_tree(self, tree):
-        if not tree.is_chain:  # (a chain runs through forward)
-            time.sleep(0.25)
-        return forward_tree(self, tree)
-
     monkeypatch.setattr(PromptCache, "forward", slow_forward)
-    monkeypatch.setattr(PromptCache, "forward_tree", slow_tree)
     for prompt in NOVEL[:2] + COPYING[:1]:
         tokens, _, _ = run(lm, engine, prompt)
         assert tokens == plain_answers[prompt]
     monkeypatch.setattr(PromptCache, "forward", forward)
-    monkeypatch.setattr(PromptCache, "forward_tree", forward_tree)
     for prompt in NOVEL[2:4]:
         assert run(lm, engine, prompt)[0] == plain_answers[prompt]
     _copying_phase(lm, engine, plain_answers, within=32)

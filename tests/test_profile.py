@@ -102,7 +102,7 @@ def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
     from m2r2_mlx.models.registry import load_model
 
     monkeypatch.setenv("M2R2_HOME", str(tmp_path / "home"))
-    before = (generate.NextToken, speculative.verify_tree, speculative.NextToken)
+    before = (generate.NextToken, speculative.verify, speculative.NextToken)
     lm = load_model(str(moe_folder))
     layer = lm.model.model.layers[0]
     classes = (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens))
@@ -119,7 +119,7 @@ def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
         assert type(layer.self_attn) is not classes[0] and isinstance(layer.self_attn, classes[0])
         assert [k for k, _ in tree_flatten(lm.model.parameters())] == names  # the parameter tree is untouched
     assert (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens)) == classes
-    assert (generate.NextToken, speculative.verify_tree, speculative.NextToken) == before
+    assert (generate.NextToken, speculative.verify, speculative.NextToken) == before
     assert "forward" not in vars(cache)
 
 
@@ -164,7 +164,7 @@ def test_components_cover_the_measured_step_on_the_real_model(mode):
     plans = [profile.recorder.spans[s.span].args for s in profile.decode_steps]
     assert all("plan" in a for a in plans) if mode == "speculative" else not any("plan" in a for a in plans)
     if mode == "speculative":  # the positions the full model verified, wherever the engine drafted
-        assert any(a.get("nodes_verified", 0) > 1 for a in plans)
+        assert any(a.get("positions_verified", 0) > 1 for a in plans)
     assert profile.unmeasured.tokens_per_s > 0 and profile.measured.tokens_per_s > 0
 
 

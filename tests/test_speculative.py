@@ -5,11 +5,9 @@ from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.prompt_cache import PromptCache
-from m2r2_mlx.decoding.protocols import DraftRequest
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
 from m2r2_mlx.decoding.stats import AnswerStats
-from m2r2_mlx.decoding.tree import DraftTree
 
 import mlx.core as mx
 import numpy as np
@@ -118,14 +116,13 @@ def test_prompt_lookup_copies_the_latest_match():
 
 
 def _draft_confidences(tiny_m2r2, prompts) -> list[float]:
-    """The first draft's probability after each prompt, as LayerDrafter records it."""
-    drafter, confs = LayerDrafter(tiny_m2r2, 0), []
+    """The first draft's probability after each prompt, as LayerDrafter's threshold reads it."""
+    confs = []
     for p in prompts:
         cache = PromptCache(tiny_m2r2.base)
         mx.eval(cache.forward(p[:-1]))
-        tree = DraftTree.root(p[-1])
-        drafter.propose(tree, DraftRequest(cache, [], 1, Sampling(), set()))
-        confs.append(tree.signal[(drafter.kind, 1)])
+        logits = tiny_m2r2.draft_logits(mx.array(p[-1]), 0, cache.layers)
+        confs.append(mx.softmax(logits.astype(mx.float32)).max().item())
     return confs
 
 

@@ -2,22 +2,22 @@
 
 A tiny 12-token model makes the exact distribution of the first three answer tokens
 computable (1,728 outcomes). Speculative sampling with M2R2 drafts (q != p; also with a
-confidence threshold that ends the chain), with prompt-lookup drafts, and with draft trees
-(lookup and the fast stream together, the fast stream's top-k beside its sample, chosen by the
-cost planner or not) must match it within the sampling noise of N draws, also under top-k,
-min-p and a repetition penalty (whose target depends on each row's history); a verifier that
-skips the rejection step must not (the test can fail).
+confidence threshold that ends the chain), with prompt-lookup drafts, and with hybrid drafts
+(lookup's copy, then the fast stream's samples after it, chosen by the cost planner or not)
+must match it within the sampling noise of N draws, also under top-k, min-p and a repetition
+penalty (whose target depends on each row's history); a verifier that skips the rejection
+step must not (the test can fail).
 """
 
 import m2r2_mlx.decoding.speculative as speculative
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.costs import StepCosts
+from m2r2_mlx.decoding.draft import Verified
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
 from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
-from m2r2_mlx.decoding.tree import Verified
 
 import mlx.core as mx
 import numpy as np
@@ -76,9 +76,7 @@ def both(m2r2, prior: float | None = None) -> list:
 
 
 def cost_planned(model, tok, drafters) -> Speculator:
-    return Speculator(
-        model, tok, drafters, CostPlanner(drafters, 4, StepCosts(draft_fraction=0.2)), max_draft=2, width=2
-    )
+    return Speculator(model, tok, drafters, CostPlanner(drafters, StepCosts(draft_fraction=0.2)), max_draft=2)
 
 
 def chain(model, tok, drafter):
@@ -90,12 +88,9 @@ def tv_bound(p: np.ndarray) -> float:
     return 1.6 * 0.5 * np.sqrt(2 * p * (1 - p) / (np.pi * N)).sum()
 
 
-def accept_every_draft(logits, tree, s, history=(), constraint=None, logprobs=False):  # no rejection step
-    path = [0]
-    while tree.proposals[path[-1]]:
-        path.append(tree.proposals[path[-1]][0][0])
-    context = list(history) + [tree.tokens[i] for i in path]
-    return Verified(path, sample_from(sampling_probs(logits[path[-1]], s, context)))
+def accept_every_draft(logits, draft, s, history=(), constraint=None, logprobs=False):  # no rejection step
+    context = list(history) + draft.tokens
+    return Verified(len(draft) - 1, sample_from(sampling_probs(logits[-1], s, context)))
 
 
 CONFIGS = [
@@ -118,18 +113,18 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
         "chain m2r2": chain(model, tok, LayerDrafter(m2r2, 0)),
         "chain m2r2 threshold": chain(model, tok, LayerDrafter(m2r2, 0, threshold=0.3)),
         "chain lookup": chain(model, tok, PromptLookupDrafter()),
-        "tree lookup+m2r2 width 3": Speculator(model, tok, both(m2r2), VerifyAll(both(m2r2)), max_draft=2, width=3),
-        "tree lookup+m2r2 cost planner": cost_planned(model, tok, both(m2r2, prior=0.9)),
+        "hybrid lookup+m2r2": Speculator(model, tok, both(m2r2), VerifyAll(both(m2r2)), max_draft=2),
+        "hybrid lookup+m2r2 cost planner": cost_planned(model, tok, both(m2r2, prior=0.9)),
     }
-    if s.top_k or s.reads_history:  # the new options: the trees carry the weight
-        decoders = {k: v for k, v in decoders.items() if k.startswith("tree")}
+    if s.top_k or s.reads_history:  # the new options: the hybrid engines carry the weight
+        decoders = {k: v for k, v in decoders.items() if k.startswith("hybrid")}
     for name, decoder in decoders.items():
         got = sampled_joint(model, tok, decoder, s)
         tv = 0.5 * np.abs(got - p).sum()
         print(f"{name}: TV {tv:.3f}, bound {bound:.3f}")
         assert tv < bound, f"{name}: TV {tv:.3f} >= {bound:.3f}"
 
-    monkeypatch.setattr(speculative, "verify_tree", accept_every_draft)
+    monkeypatch.setattr(speculative, "verify", accept_every_draft)
     broken = sampled_joint(model, tok, decoders[next(iter(decoders))], s)
     print(f"no-rejection control: TV {0.5 * np.abs(broken - p).sum():.3f}")
     assert 0.5 * np.abs(broken - p).sum() > bound  # the test has the power to catch a wrong verifier

@@ -7,9 +7,9 @@ import json
 import shutil
 from pathlib import Path
 
+from m2r2_mlx.decoding.draft import Draft
 from m2r2_mlx.decoding.protocols import DraftRequest
 from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.models.registry import LoadedModel, resolve_model_path
 
 import mlx.core as mx
@@ -94,8 +94,8 @@ def tiny_olmoe_folder(folder: Path) -> Path:
 def draft_chain(drafter, cache, token: int, limit: int, s=None, eos_ids=()) -> tuple[list[int], mx.array | None]:
     """A drafter's chain after ``token`` (the verifier's cache before it), and the laws its drafts were sampled
     from (None for deterministic drafts)."""
-    tree = DraftTree.root(token)
+    draft = Draft.root(token)
     context = [*cache.tokens, token] if drafter.free else []
-    drafter.propose(tree, DraftRequest(cache, context, limit, s or Sampling(), set(eos_ids)))
-    qs = [q for node in range(len(tree)) for _, q in tree.proposals[node]]
-    return tree.tokens[1:], (mx.stack(qs) if qs and qs[0] is not None else None)
+    drafter.propose(draft, DraftRequest(cache, context, limit, s or Sampling(), set(eos_ids)))
+    laws = draft.laws[1:]
+    return draft.tokens[1:], (mx.stack(laws) if laws and laws[0] is not None else None)

@@ -51,7 +51,6 @@ class GenerationConfig:
 
 PLANNERS = ("cost", "always")  # speculative: planner.CostPlanner, planner.VerifyAll
 DRAFTERS = ("hybrid", "fast")  # speculative: prompt lookup and the fast stream, or the fast stream alone
-MAX_WIDTH = 8  # candidates at the first draft position, at most
 DRAFT_VOCAB = 4096  # the fast stream's trimmed LM head, where the adapters ship draft_vocab.json
 
 
@@ -63,11 +62,13 @@ class DraftDefaults:
     (no threshold) and drafts as far as it expects to pay."""
 
     max_draft: int
-    width: int
     threshold: float
 
 
-DRAFT_DEFAULTS = {"cost": DraftDefaults(max_draft=8, width=3, threshold=0.0), "always": DraftDefaults(3, 1, 0.4)}
+DRAFT_DEFAULTS = {
+    "cost": DraftDefaults(max_draft=8, threshold=0.0),
+    "always": DraftDefaults(max_draft=3, threshold=0.4),
+}
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,6 @@ class DecodeConfig:
     gate: int | None = None  # the exit layer drafts come from (default: the adapters' first gate)
     drafter: str = "hybrid"  # speculative: one of DRAFTERS
     planner: str | None = None  # speculative: one of PLANNERS (default: cost in mode speculative, else always)
-    tree_width: int | None = None  # candidates at the first draft position
     max_draft: int | None = None  # most tokens drafted per step
     threshold: float | None = None  # stop a draft below this probability
     draft_vocab: int | None = None  # score drafts over the N most frequent tokens (None: default, 0: all)

@@ -97,8 +97,8 @@ class StepCosts:
         if outcome.plain:
             self.observe_plain(outcome.seconds)
         else:
-            if len(outcome.tree) > 1:
-                self.observe_verify(len(outcome.tree), outcome.seconds - outcome.draft_seconds)
+            if len(outcome.draft) > 1:
+                self.observe_verify(len(outcome.draft), outcome.seconds - outcome.draft_seconds)
             if outcome.draft_steps:
                 self.observe_draft(outcome.draft_seconds / outcome.draft_steps)
         self.tick()

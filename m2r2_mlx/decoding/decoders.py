@@ -15,7 +15,7 @@ from ..core.config import M2R2Config
 from ..core.draft_vocab import FILE, load_draft_vocab
 from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_adapters
 from ..errors import M2R2Error
-from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, MAX_WIDTH, PLANNERS, DecodeConfig
+from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, PLANNERS, DecodeConfig
 from .costs import StepCosts, measure_calibration
 from .drafters import ForcedDrafter, LayerDrafter, PromptLookupDrafter
 from .early_exit import EarlyExitDecoder, ExitPolicy, confidence
@@ -120,13 +120,10 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
     defaults = DRAFT_DEFAULTS[planner]
     threshold = defaults.threshold if config.threshold is None else config.threshold
     max_draft = defaults.max_draft if config.max_draft is None else config.max_draft
-    width = defaults.width if config.tree_width is None else config.tree_width
     if not 0 <= threshold <= 1:  # also NaN
         raise M2R2Error(f"the draft threshold must be in [0, 1] (got {threshold})")
     if max_draft < 1:
         raise M2R2Error(f"at least 1 token must be drafted per step (got {max_draft})")
-    if not 1 <= width <= MAX_WIDTH:
-        raise M2R2Error(f"tree width must be in 1..{MAX_WIDTH} (got {width})")
     # without adapters, speculative mode's best drafter here (prompt lookup, under the planner) still runs
     lookup_only = mode == "speculative" and config.drafter == "hybrid" and not (adapters or packaged_adapters(lm.name))
     drafters: list[Drafter] = [ForcedDrafter()]  # proposes only under a grammar (structured output)
@@ -139,7 +136,7 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
         fraction = model.exit_layer / lm.num_layers if model else 0.0  # a draft step's cost before one is timed
         costs = StepCosts(measure_calibration(lm.model), draft_fraction=fraction)  # a first answer pays nothing for it
         floor = DRAFT_DEFAULTS["always"].max_draft  # lookup's first tokens, as far as the lookup mode verifies them
-        chosen = CostPlanner(drafters, max_draft * width, costs, lookup_floor=floor)
+        chosen = CostPlanner(drafters, costs, lookup_floor=floor)
     else:
         chosen = VerifyAll(drafters)
     engine = Speculator(
@@ -148,7 +145,6 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
         drafters,
         chosen,
         max_draft=max_draft,
-        width=width,
         name=mode,
         context_length=lm.context_length,
     )

@@ -1,8 +1,7 @@
-"""Where speculative drafts come from. A drafter adds proposals to a draft tree (tree.py) after its root, the
-last emitted token (not yet in the cache), and leaves the cache as it found it: ``LayerDrafter`` (an exit of the
-base: the M2R2 fast stream with adapters, naive layer-skip without), ``PromptLookupDrafter`` (copies what followed
-earlier occurrences of the last n-gram) and ``ForcedDrafter`` (the text an answer's grammar forces).
-"""
+"""Where speculative drafts come from. A drafter extends a draft (draft.py) at its end and leaves the cache as it
+found it: ``LayerDrafter`` (an exit of the base: the M2R2 fast stream with adapters, naive layer-skip without),
+``PromptLookupDrafter`` (copies what followed an earlier occurrence of the last n-gram) and ``ForcedDrafter`` (the
+text an answer's grammar forces)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..models.base_model import SubsetHead
+from .draft import Draft
 from .protocols import DraftRequest
 from .sampling import sampling_probs
-from .tree import DraftTree
 
 
 class LayerDrafter:
@@ -42,56 +41,31 @@ class LayerDrafter:
         measured = m2r2.config.metrics.agreement(self.exit_layer, adapters=adapters)
         self.prior = prior if prior is not None else 0.3 if measured is None else measured
 
-    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
-        """Draft a chain of up to ``request.limit`` tokens after node ``request.after`` (the path to it first runs
-        through the drafter's layers in one pass), while ``go_on(tree, node)`` (default: confidence >= threshold);
-        a ``width`` > 1 adds the first step's next most likely tokens. Returns the draft steps taken."""
-        cache, limit, s, eos_ids = request.cache, request.limit, request.sampling, request.eos_ids
-        width, go_on, after = request.width, request.go_on, request.after
-        path = tree.path(after)
-        cur, parent, steps, written = tree.tokens[after], after, 0, len(path) - 1
+    def propose(self, draft: Draft, request: DraftRequest) -> int:
+        """Draft up to ``request.room(draft)`` tokens at the draft's end (its earlier positions first run through
+        the drafter's layers in one pass) while ``go_on(draft)`` (default: confidence >= threshold). Returns the
+        draft steps taken."""
+        cache, s, go_on = request.cache, request.sampling, request.go_on
+        cur, steps, written = draft.tokens[-1], 0, len(draft) - 1
         h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
-        if written:  # the path's tokens before ``after``; the context feature reads nothing for the later ones
-            run = mx.array([tree.tokens[i] for i in path[:-1]])
+        if written:  # the context feature reads nothing for the draft's later positions
+            run = mx.array(draft.tokens[:-1])
             prev = None if h_prev is None else mx.concatenate([h_prev[None], mx.zeros((written - 1, h_prev.size))])
             h = self.m2r2.draft_state(run, self.gate_index, cache.layers, self.adapters, prev)
             h_prev = h if self.keeps_states else None
-        while steps < limit:
+        for steps in range(1, request.room(draft) + 1):  # each draft step writes one provisional position
             h = self.m2r2.draft_state(mx.array(cur), self.gate_index, cache.layers, self.adapters, h_prev)
             logits = self.m2r2.parts.head(h) if self.head is None else self.head(h)
             h_prev = h if self.keeps_states else None
-            steps += 1  # each draft step wrote one provisional position
             probs = mx.softmax(logits.astype(mx.float32)) if s.greedy else sampling_probs(logits, s)
             i = mx.argmax(probs) if s.greedy else mx.random.categorical(mx.log(probs))
-            top = mx.argpartition(-probs, width - 1)[:width] if steps == 1 and width > 1 else None
-            d, conf = int(self._token(i).item()), probs[i].item()
-            q = None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0)
-            node = tree.add(parent, d, self.kind, q)
-            tree.signal[(self.kind, node)] = conf
-            if top is not None:  # chosen from q alone, whatever was sampled: deterministic proposals
-                for j in sorted(top.tolist(), key=lambda j: -probs[j].item()):
-                    extra = tree.add(after, int(self._token(mx.array(j)).item()), self.kind)
-                    tree.signal.setdefault((self.kind, extra), probs[j].item())
-            parent, cur = node, d
-            if d in eos_ids or (conf < self.threshold if go_on is None else not go_on(tree, node)):
+            cur, conf = int((i if self.head is None else self.head.ids[i]).item()), probs[i].item()
+            draft.add(cur, self.kind, None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0))
+            if cur in request.eos_ids or (conf < self.threshold if go_on is None else not go_on(draft)):
                 break  # an unsure draft is still verified (Kangaroo's rule), but none is drafted after it
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
             layer.trim(written + steps)
         return steps
-
-    def _token(self, i: mx.array) -> mx.array:
-        return self.head.ids[i] if self.head is not None else i
-
-
-MATCH_CAP = 16  # how far back a lookup match is measured
-
-
-def _match_length(ctx: np.ndarray, start: int, n: int) -> int:
-    """How many tokens before ``ctx[start:start + n]`` (an earlier occurrence of the last n) also match."""
-    m = n
-    while m < MATCH_CAP and start - (m - n) > 0 and ctx[start - (m - n) - 1] == ctx[len(ctx) - m - 1]:
-        m += 1
-    return m
 
 
 class PromptLookupDrafter:
@@ -103,37 +77,25 @@ class PromptLookupDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, prior: float = 0.5):
         self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
 
-    def continuations(self, context: Sequence[int], limit: int, width: int = 1) -> list[tuple[list[int], int]]:
-        """Up to ``width`` continuations (distinct first tokens) of earlier occurrences of the context's last
-        n-gram: the longest n first, then the latest occurrence. Each comes with the length of its match (the
-        n-gram extended backwards, up to ``MATCH_CAP``): a long match is a passage being copied."""
+    def continuation(self, context: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier occurrence of the context's last n-gram, the
+        longest n first."""
         ctx = np.asarray(context)
-        found: list[tuple[list[int], int]] = []
         for n in range(self.max_ngram, self.min_ngram - 1, -1) if limit > 0 else ():
             if len(ctx) <= n:
                 continue
-            tail = ctx[-n:]
-            starts = np.flatnonzero(ctx[: len(ctx) - n] == tail[0])  # each leaves a token to copy after it
+            starts = np.flatnonzero(ctx[: len(ctx) - n] == ctx[-n])  # each leaves a token to copy after it
             for k in range(1, n):
-                starts = starts[ctx[starts + k] == tail[k]]
-            for start in starts[::-1]:
-                cont = ctx[start + n : start + n + limit].tolist()
-                if all(cont[0] != c[0][0] for c in found):
-                    found.append((cont, _match_length(ctx, start, n)))
-                    if len(found) == width:
-                        return found
-        return found
+                starts = starts[ctx[starts + k] == ctx[k - n]]
+            if len(starts):
+                return ctx[starts[-1] + n : starts[-1] + n + limit].tolist()
+        return []
 
-    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
-        """Add the continuations of ``request.context`` (which ends with node ``request.after``) after it."""
-        limit = request.limit - tree.depths[request.after]
-        for cont, n in self.continuations(request.context, limit, request.width):
-            for k, t in enumerate(cont):  # a copied end-of-sequence is drafted, and nothing after it
-                if t in request.eos_ids:
-                    cont = cont[: k + 1]
-                    break
-            for node in tree.add_chain(request.after, cont, self.kind):
-                tree.signal.setdefault((self.kind, node), float(n))
+    def propose(self, draft: Draft, request: DraftRequest) -> int:
+        for t in self.continuation(request.context_of(draft), request.room(draft)):
+            draft.add(t, self.kind)
+            if t in request.eos_ids:  # a copied end-of-sequence is drafted, and nothing after it
+                break
         return 0
 
 
@@ -148,8 +110,8 @@ class ForcedDrafter:
     kind = name = "grammar"
     prior = 0.9
 
-    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
+    def propose(self, draft: Draft, request: DraftRequest) -> int:
         if request.constraint is not None:
-            limit = request.limit - tree.depths[request.after]
-            tree.add_chain(request.after, request.constraint.at(request.context).forced(limit), self.kind)
+            for t in request.constraint.at(request.context_of(draft)).forced(request.room(draft)):
+                draft.add(t, self.kind)
         return 0

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 from ..errors import M2R2Error
-from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, MAX_WIDTH, PLANNERS, DecodeConfig, GenerationConfig, KVConfig
+from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, PLANNERS, DecodeConfig, GenerationConfig, KVConfig
 from .decoders import MODES
 from .sampling import Sampling
 
@@ -112,18 +112,6 @@ OPTIONS = (
         ("planner",),
         lambda v: v in PLANNERS,
         f"must be one of: {', '.join(PLANNERS)}",
-    ),
-    Option(
-        "width",
-        ("--tree-width",),
-        int,
-        None,
-        f"candidate tokens verified at the first draft position, as a tree (default: "
-        f"{DRAFT_DEFAULTS['cost'].width} under the cost planner, else {DRAFT_DEFAULTS['always'].width})",
-        ("tree_width",),
-        lambda v: 1 <= v <= MAX_WIDTH,
-        f"must be in 1..{MAX_WIDTH}",
-        field="tree_width",
     ),
     Option(
         "draft_vocab",

@@ -1,25 +1,21 @@
 """Speculative planners (protocols.Planner): what each step drafts and verifies.
 
 ``VerifyAll`` verifies every proposal (prompt lookup alone is this planner with one drafter). ``CostPlanner``, the
-default, verifies what is expected to beat a plain step: a node is accepted with probability pi (the product of
-acceptance rates along its path, learnt per drafter, signal and depth); verifying n nodes yields 1 + sum(pi) tokens
-in c(n) seconds (costs.StepCosts); the prefix of the nodes in order of pi with the most tokens per second is kept.
-The fast stream drafts only where its nodes pay for its draft steps. The arithmetic and the measurements that
-justify each piece: docs/speculative.md.
+default, verifies what is expected to beat a plain step: the draft at position i is accepted with probability pi
+(the product of acceptance rates up to it, learnt per drafter and position); verifying n positions yields
+1 + sum(pi) tokens in c(n) seconds (costs.StepCosts), and the prefix with the most tokens per second is kept. The
+fast stream drafts only where its drafts pay for its draft steps. The arithmetic and the measurements that justify
+each piece: docs/speculative.md.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import replace
 
 from ..estimates import Rates
 from .costs import StepCosts
+from .draft import Draft
 from .protocols import Drafter, DraftRequest, Outcome, StepPlan
-from .tree import DraftTree
-
-MATCH_EDGES = (2, 3, 4, 8)  # lookup's signal, its match length: 1, 2, 3, 4-7, 8+ tokens
-CONFIDENCE_EDGES = (0.1, 0.2, 0.4, 0.6, 0.8)  # a layer drafter's: its draft probability
 
 
 class VerifyAll:
@@ -28,138 +24,117 @@ class VerifyAll:
     def __init__(self, drafters: list[Drafter]):
         self.drafts = any(not d.free for d in drafters)
 
-    def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
-        room = request.limit - tree.depths[request.after]  # after the grammar's forced text, if any
-        return StepPlan(range(len(tree)), replace(request, limit=room) if self.drafts and room > 0 else None)
+    def plan(self, draft: Draft, request: DraftRequest) -> StepPlan:
+        return StepPlan(len(draft), request if self.drafts and request.room(draft) > 0 else None)
 
     def observe(self, outcome: Outcome) -> None:
         pass
 
 
 class CostPlanner:
-    """Verifies what is expected to beat a plain step. ``max_nodes``: the most nodes a step verifies. The floor,
-    verified whatever the rates say: the grammar's forced text, and the first ``lookup_floor`` tokens of lookup's
-    first continuation (as far as prompt lookup alone verifies it)."""
+    """Verifies what is expected to beat a plain step. The floor, verified whatever the rates say: the grammar's
+    forced text, and then the first ``lookup_floor`` tokens of lookup's copy (as far as prompt lookup alone
+    verifies it)."""
 
-    def __init__(self, drafters: list[Drafter], max_nodes: int, costs: StepCosts, lookup_floor: int = 0):
+    def __init__(self, drafters: list[Drafter], costs: StepCosts, lookup_floor: int = 0):
         self.priors = {d.kind: d.prior for d in drafters}
         model = next((d for d in drafters if not d.free), None)
         self.model_kind = None if model is None else model.kind  # "fast" or "layerskip"
-        self.max_nodes, self.costs, self.lookup_floor = max_nodes, costs, lookup_floor
+        self.costs, self.lookup_floor = costs, lookup_floor
         self.rates = Rates(strength=2.0, decay=0.995)
-        self.unverified: tuple[DraftTree, int] | None = None  # a plain stretch's proposals, and the node it reached
+        self.unverified: tuple[Draft, int] | None = None  # a plain stretch's proposals, and the position it reached
 
     @staticmethod
-    def keys(kind: str, depth: int, signal: float | None) -> tuple:
-        """Rate keys, finest first: (drafter, signal bucket, depth 1-4+), then (drafter, signal bucket)."""
-        if signal is None:
-            return ((kind, min(depth, 4)),)
-        coarse = (kind, bisect.bisect_right(MATCH_EDGES if kind == "lookup" else CONFIDENCE_EDGES, signal))
-        return ((*coarse, min(depth, 4)), coarse)
+    def keys(kind: str, position: int) -> tuple:
+        return ((kind, min(position, 4)),)  # positions 1, 2, 3, 4+
 
-    def rate(self, kind: str, depth: int, signal: float | None = None) -> float:
+    def rate(self, kind: str, position: int) -> float:
         """Lookup at its mean (free and many: optimism would compound along a chain); the fast stream at mean plus
         one standard deviation, so a drafter left unused is tried again as its estimate grows uncertain."""
         read = self.rates.mean if kind == "lookup" else self.rates.optimistic
-        return read(self.keys(kind, depth, signal), self.priors.get(kind, 0.5))
+        return read(self.keys(kind, position), self.priors.get(kind, 0.5))
 
-    def reach(self, tree: DraftTree) -> list[float]:
-        """pi per node (1 for the root): the probability that verification accepts it."""
+    def reach(self, draft: Draft) -> list[float]:
+        """pi per position (1 for the root): the probability that verification accepts it."""
         pi = [1.0]
-        for node in range(1, len(tree)):
-            rate = max(self.rate(k, tree.depths[node], tree.signal.get((k, node))) for k in tree.sources[node])
-            pi.append(pi[tree.parents[node]] * rate)
+        for i in range(1, len(draft)):
+            pi.append(pi[-1] * self.rate(draft.sources[i], i))
         return pi
 
-    def floor(self, tree: DraftTree) -> list[int]:
-        """The nodes verified whatever the rates say: the grammar's forced chain, then up to ``lookup_floor`` nodes
-        of lookup's first continuation after it."""
+    def floor(self, draft: Draft) -> int:
+        """The positions verified whatever the rates say: the grammar's forced text, then up to ``lookup_floor``
+        of lookup's copy after it (the root counts)."""
+        n = 1
+        while n < len(draft) and draft.sources[n] == "grammar":
+            n += 1
+        copied = n
+        while n < len(draft) and draft.sources[n] == "lookup" and n - copied < self.lookup_floor:
+            n += 1
+        return n
 
-        def first_child(node: int, kind: str) -> int | None:
-            return next((c for c in tree.children(node) if kind in tree.sources[c]), None)
-
-        nodes = []
-        while (node := first_child(nodes[-1] if nodes else 0, "grammar")) is not None:
-            nodes.append(node)
-        for _ in range(self.lookup_floor):
-            if (node := first_child(nodes[-1] if nodes else 0, "lookup")) is None:
-                break
-            nodes.append(node)
-        return nodes
-
-    def select(self, tree: DraftTree) -> tuple[list[int], float, float]:
-        """The nodes to verify (root first), the tokens they are expected to yield, and their seconds."""
-        pi = self.reach(tree)
-        order = sorted(range(1, len(tree)), key=lambda i: (-pi[i], tree.depths[i]))[: self.max_nodes]
+    def select(self, draft: Draft) -> tuple[int, float, float]:
+        """How many positions to verify (a prefix, the root included), the tokens they are expected to yield, and
+        their seconds: the prefix with the most tokens per second, or the floor where that is longer."""
+        pi = self.reach(draft)
         tokens, seconds = 1.0, self.costs.verify_cost(1)
-        best, best_tokens, best_seconds = 0, tokens, seconds
-        for n, node in enumerate(order, start=1):
-            tokens, seconds = tokens + pi[node], seconds + self.costs.extra(n)
-            if tokens / seconds > best_tokens / best_seconds:
-                best, best_tokens, best_seconds = n, tokens, seconds
-        floor = [n for n in self.floor(tree) if n not in order[:best]]
-        keep = sorted([0, *order[:best], *floor])
-        if not floor:
-            return keep, best_tokens, best_seconds
-        return keep, best_tokens + sum(pi[n] for n in floor), self.costs.verify_cost(len(keep))
+        best = (1, tokens, seconds)
+        for n in range(1, len(draft)):
+            tokens, seconds = tokens + pi[n], seconds + self.costs.extra(n)
+            if tokens / seconds > best[1] / best[2]:
+                best = (n + 1, tokens, seconds)
+        floor = self.floor(draft)
+        return best if floor <= best[0] else (floor, sum(pi[:floor]), self.costs.verify_cost(floor))
 
-    def drafting_pays(self, tree: DraftTree, anchor: int, n: int, tokens: float, seconds: float, limit: int) -> bool:
-        """Whether the fast stream drafting after ``anchor`` (up to ``limit`` deep) raises the tokens per second of
-        a step that verifies ``n`` nodes for ``tokens`` in ``seconds``."""
-        pi, draft, rate = self.reach(tree)[anchor], self.costs.draft_cost(), tokens / seconds
-        for depth in range(1, limit + 1):
-            pi *= self.rate(self.model_kind, tree.depths[anchor] + depth)
-            tokens, seconds, n = tokens + pi, seconds + draft + self.costs.extra(n), n + 1
+    def drafting_pays(self, draft: Draft, n: int, tokens: float, seconds: float, limit: int) -> bool:
+        """Whether the fast stream drafting after ``draft``'s last position (up to ``limit`` tokens) raises the
+        tokens per second of a step that verifies ``n`` positions for ``tokens`` in ``seconds``."""
+        pi, step, rate = self.reach(draft)[-1], self.costs.draft_cost(), tokens / seconds
+        for position in range(len(draft), len(draft) + limit):
+            pi *= self.rate(self.model_kind, position)
+            tokens, seconds, n = tokens + pi, seconds + step + self.costs.extra(n), n + 1
             if tokens / seconds > rate:
                 return True
         return False
 
-    def go_on(self, tree: DraftTree, node: int) -> bool:
-        """After the fast stream drafted ``node``: whether one more draft step is expected to pay."""
-        keep, tokens, seconds = self.select(tree)
-        return self.drafting_pays(tree, node, len(keep), tokens, seconds, limit=1)
+    def go_on(self, draft: Draft) -> bool:
+        """After the fast stream's latest draft: whether one more draft step is expected to pay."""
+        return self.drafting_pays(draft, *self.select(draft), limit=1)
 
-    def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan:
+    def plan(self, draft: Draft, request: DraftRequest) -> StepPlan:
         if self.costs.plain_due:  # the plain step is timed again before anything is priced against it
-            return StepPlan([0])
-        keep, tokens, seconds = self.select(tree)
-        if self.model_kind is None:
+            return StepPlan(1)
+        keep, tokens, seconds = self.select(draft)
+        draft = draft.keep(keep)
+        room = request.room(draft)
+        if self.model_kind is None or room <= 0 or draft.tokens[-1] in request.eos_ids:
             return StepPlan(keep)
-        reach = self.reach(tree)
-        leaves = [n for n in keep if not any(tree.parents[c] == n for c in keep)]
-        anchor = max(leaves, key=lambda node: (reach[node], tree.depths[node]))  # the likeliest end
-        room = request.limit - tree.depths[anchor]
-        if room <= 0 or tree.tokens[anchor] in request.eos_ids:
+        if not self.drafting_pays(draft, keep, tokens, seconds, room):
             return StepPlan(keep)
-        if not self.drafting_pays(tree, anchor, len(keep), tokens, seconds, room):
-            return StepPlan(keep)
-        width = request.width if anchor == 0 else 1
-        return StepPlan(keep, replace(request, limit=room, width=width, go_on=self.go_on, after=keep.index(anchor)))
+        return StepPlan(keep, replace(request, go_on=self.go_on))
 
     def observe(self, outcome: Outcome) -> None:
-        tree = outcome.tree
+        draft = outcome.draft
         if outcome.plain:
-            self.score_unverified(tree, outcome.token)
+            self.score_unverified(draft, outcome.token)
         else:
             self.unverified = None
-            on_path = set(outcome.path)
-            for node in range(1, len(tree)):
-                if tree.parents[node] in on_path:  # put to the test
-                    self.tested(tree, node, node in on_path)
+            for i in range(1, min(outcome.accepted + 2, len(draft))):  # put to the test: up to the first rejected
+                self.tested(draft, i, i <= outcome.accepted)
         if outcome.seconds is not None:
             self.costs.observe(outcome)
             self.rates.tick()
 
-    def tested(self, tree: DraftTree, node: int, accepted: bool) -> None:
-        for kind in tree.sources[node]:
-            self.rates.observe(self.keys(kind, tree.depths[node], tree.signal.get((kind, node))), accepted)
+    def tested(self, draft: Draft, i: int, accepted: bool) -> None:
+        self.rates.observe(self.keys(draft.sources[i], i), accepted)
 
-    def score_unverified(self, proposals: DraftTree, token: int) -> None:
+    def score_unverified(self, proposals: Draft, token: int) -> None:
         """A plain step's ``token`` scores the free drafters' unverified ``proposals`` as verification would (a
-        copied token is accepted where it equals the model's), following a chain while it matches: a plain
-        stretch keeps teaching the rates, and ends where the text starts to repeat."""
-        tree, node = self.unverified or (proposals, 0)
-        for child in tree.children(node):
-            self.tested(tree, child, tree.tokens[child] == token)
-        hit = tree.child(node, token)
-        self.unverified = (tree, hit) if hit is not None and tree.children(hit) else None
+        copied token is accepted where it equals the model's), following them while they match: a plain stretch
+        keeps teaching the rates, and ends where the text starts to repeat."""
+        draft, i = self.unverified or (proposals, 0)
+        self.unverified = None
+        if i + 1 < len(draft):
+            hit = draft.tokens[i + 1] == token
+            self.tested(draft, i + 1, hit)
+            if hit and i + 2 < len(draft):
+                self.unverified = (draft, i + 1)

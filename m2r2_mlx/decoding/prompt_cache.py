@@ -10,7 +10,6 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts
-from .tree import DraftTree, tree_positions
 
 PREFILL_CHUNK = 512
 KV_GROUP_SIZE = 64  # mlx-lm's default group for a quantized KV cache
@@ -96,37 +95,6 @@ class PromptCache:
                 self.reset()
                 common = 0
         return list(prompt[common:])
-
-    def forward_tree(self, tree: DraftTree) -> mx.array:
-        """Run the model on a draft tree's nodes at the end of the cache (tree.py); returns logits (N, vocab).
-        The cache holds all N positions until ``commit`` keeps the accepted path."""
-        if tree.is_chain:
-            return self.forward(tree.tokens)
-        offset = len(self)
-        self._tokens.extend(tree.tokens)
-        parts = self.parts
-        with tree_positions(parts.layers, tree.depths):
-            h = parts.run_layers(
-                parts.embed(mx.array(tree.tokens)[None]), 0, parts.num_layers, tree.mask(offset), self.layers
-            )
-        self.states = h[0] if self.keep_states else None
-        return parts.head(h)[0]
-
-    def commit(self, path: Sequence[int], total: int) -> None:
-        """After ``forward_tree`` over ``total`` nodes: keep the nodes of ``path`` (increasing), as if decoded alone."""
-        start = len(self) - total
-        if list(path) != list(range(len(path))):  # move the kept keys and values to start, start + 1, ...
-            idx = mx.array([start + k for k in path])
-            for layer in self.layers:  # mlx-lm's KVCache, or QuantizedKVCache's tuples
-                for name in ("keys", "values"):
-                    arrays = getattr(layer, name)
-                    for a in arrays if isinstance(arrays, tuple) else (arrays,):
-                        a[..., start : start + len(path), :] = a[..., idx, :]
-        for layer in self.layers:
-            layer.trim(total - len(path))
-        self._tokens[start:] = [self._tokens[start + i] for i in path]
-        if self.states is not None:
-            self.states = self.states[mx.array(list(path))]
 
     def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
         """Run the model on new tokens at the end of the cache; returns logits (T, vocab)."""

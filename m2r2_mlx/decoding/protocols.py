@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtim
 
 if TYPE_CHECKING:
     from .config import GenerationConfig
+    from .draft import Draft
     from .events import TokenEvent
     from .grammar import Constraint
     from .prompt_cache import PromptCache
     from .sampling import Sampling
-    from .tree import DraftTree
 
 
 @runtime_checkable
@@ -33,23 +33,29 @@ class Decoder(Protocol):
 
 @dataclass
 class DraftRequest:
-    """What a drafter may read for one speculative step (the tree's root: the last token, not yet in the cache)."""
+    """What a drafter may read for one speculative step. Each drafter extends the draft at its end."""
 
     cache: PromptCache | None  # the verifier's cache (a layer drafter runs its layers over it; lookup reads none)
-    context: Sequence[int]  # every token so far, ending with the root
-    limit: int  # the most tokens a path may draft
+    context: Sequence[int]  # every token so far, ending with the draft's root
+    limit: int  # the most drafted tokens the draft may hold
     sampling: Sampling
     eos_ids: set[int]
-    width: int = 1  # candidates at the first draft position
-    # after drafting a node, whether to draft another: go_on(tree, node) (None: the drafter's own threshold)
-    go_on: Callable[[DraftTree, int], bool] | None = None
-    after: int = 0  # draft after this node of the tree (default the root); ``context`` ends with its token
+    # after each draft, whether to draft another: go_on(draft) (None: the drafter's own threshold)
+    go_on: Callable[[Draft], bool] | None = None
     constraint: Constraint | None = None  # the answer's grammar (structured output)
+
+    def room(self, draft: Draft) -> int:
+        """How many more tokens ``draft`` may take."""
+        return self.limit - (len(draft) - 1)
+
+    def context_of(self, draft: Draft) -> list[int]:
+        """Every token up to the end of ``draft``."""
+        return [*self.context, *draft.tokens[1:]]
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Adds proposals to a draft tree after ``request.after`` and leaves the cache as it found it."""
+    """Extends a draft at its end and leaves the cache as it found it."""
 
     kind: str  # "lookup", "grammar", "fast" (the M2R2 fast stream) or "layerskip": acceptance is learnt per kind
     name: str  # for logs and the chat ("lookup", "fast@L6")
@@ -58,31 +64,31 @@ class Drafter(Protocol):
     keeps_states: bool  # it reads the verifier's final residual states (PromptCache.keep_states)
     prior: float  # the acceptance rate the engine starts from, before it has measured any
 
-    def propose(self, tree: DraftTree, request: DraftRequest) -> int:
-        """Add proposals; returns the model draft steps taken (0 for lookup)."""
+    def propose(self, draft: Draft, request: DraftRequest) -> int:
+        """Add drafts; returns the model draft steps taken (0 for lookup)."""
         ...
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step's decision: the free drafters' nodes to verify (root first; the root alone and no ``draft``: a plain
-    step), and where the model drafter drafts (None: it does not)."""
+    """One step's decision: how many of the free drafters' positions to verify (the root counts: 1 and no
+    ``draft`` is a plain step), and how the model drafter drafts after them (None: it does not)."""
 
-    keep: Sequence[int]
+    keep: int
     draft: DraftRequest | None = None
 
     @property
     def plain(self) -> bool:
-        return len(self.keep) == 1 and self.draft is None
+        return self.keep == 1 and self.draft is None
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one step did: the tree verified (for a plain step: the free drafters' proposals, none verified), the
-    path accepted, the full model's token after it, and the step's seconds (drafting's share apart)."""
+    """What one step did: the draft verified (for a plain step: the free drafters' proposals, none verified), the
+    drafts accepted, the full model's token after them, and the step's seconds (drafting's share apart)."""
 
-    tree: DraftTree
-    path: Sequence[int]
+    draft: Draft
+    accepted: int
     token: int
     seconds: float | None  # None: not timed (a plain stretch's first step waited for its own forward)
     draft_seconds: float = 0.0
@@ -95,6 +101,6 @@ class Planner(Protocol):
     """Everything adaptive in speculative decoding: ``plan`` sees the free drafters' proposals for a step and
     decides what is verified and how the model drafter drafts; ``observe`` learns from each step, plain ones too."""
 
-    def plan(self, tree: DraftTree, request: DraftRequest) -> StepPlan: ...
+    def plan(self, draft: Draft, request: DraftRequest) -> StepPlan: ...
 
     def observe(self, outcome: Outcome) -> None: ...

@@ -1,7 +1,7 @@
-"""Lossless speculative decoding: drafters propose a tree of tokens, the full model verifies it in one forward.
+"""Lossless speculative decoding: drafters propose a chain of tokens, the full model verifies it in one forward.
 
 ``Speculator.__call__`` is the mechanism, one step after another (docs/speculative.md, "One step"): propose, plan,
-draft, verify and commit, observe, emit. Where the plan verifies nothing, the engine decodes plainly, pipelined as
+draft, verify and keep, observe, emit. Where the plan verifies nothing, the engine decodes plainly, pipelined as
 plain decoding is, until drafting would pay. Greedy output is the full model's greedy output token for token;
 sampled output has its distribution.
 """
@@ -14,24 +14,21 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from ..errors import M2R2Error
 from .config import GenerationConfig
+from .draft import Draft, Verified, verify
 from .events import EventStream, TokenEvent
 from .generate import start_decoding
 from .planner import VerifyAll
 from .prompt_cache import PromptCache
 from .protocols import Drafter, DraftRequest, Outcome, Planner
 from .sampling import NextToken, Sampling
-from .tree import DraftTree, describe, supports_trees, verify_tree
-
-FREE_KINDS = ("grammar", "lookup")  # drafters whose tokens used no layer, in the order an event names them
 
 
 class Speculator:
-    """Draft-and-verify decoding over ``model`` (a Decoder) with free drafters (prompt lookup), at most one model
-    drafter, and a planner. One instance serves a whole conversation or a server's requests: what the planner
-    has learnt carries over. ``max_draft``: the most tokens a path drafts; ``width``: the candidates the drafters
-    may propose at the first position; ``name``: the mode it serves."""
+    """Draft-and-verify decoding over ``model`` (a Decoder) with free drafters (the grammar's forced text, prompt
+    lookup), at most one model drafter, and a planner. One instance serves a whole conversation or a server's
+    requests: what the planner has learnt carries over. ``max_draft``: the most tokens a step drafts; ``name``:
+    the mode it serves."""
 
     def __init__(
         self,
@@ -41,21 +38,16 @@ class Speculator:
         planner: Planner,
         *,
         max_draft: int,
-        width: int = 1,
         name: str = "speculative",
         context_length: int | None = None,
     ):
-        layers = model.model.layers if hasattr(model, "model") else model.layers
-        if width > 1 and not supports_trees(layers):
-            raise M2R2Error(
-                f"{type(model).__module__} cannot verify draft trees (no rope on its attention); use tree width 1"
-            )
         self.model, self.tokenizer, self.planner = model, tokenizer, planner
-        self.grammar = next((d for d in drafters if d.kind == "grammar"), None)  # proposes first
-        self.free = [d for d in drafters if d.free and d is not self.grammar]
+        self.free = [d for d in drafters if d.free]  # in the order they extend a draft: the grammar first
         self.model_drafter = next((d for d in drafters if not d.free), None)
-        self.max_draft, self.width, self.name, self.context_length = max_draft, width, name, context_length
-        self.exit_layers = sorted({d.exit_layer for d in drafters} | {len(layers)})  # for legends
+        self.max_draft, self.name, self.context_length = max_draft, name, context_length
+        layers = model.model.layers if hasattr(model, "model") else model.layers
+        self.layers_used = {d.kind: d.exit_layer for d in drafters}  # by a token each drafter drafts
+        self.exit_layers = sorted({*self.layers_used.values(), len(layers)})  # for legends
         self.needs_adapters = self.model_drafter is not None and self.model_drafter.kind == "fast"
         self.note = ""  # one line an app shows when the decoder is built (what it runs without)
 
@@ -74,63 +66,58 @@ class Speculator:
         ev = events.event(int(sample(logits).item()), logprobs=sample.logprobs if rows else None)
         yield ev
         while not ev.finish_reason:
-            y, tic = ev.token, time.perf_counter()
-            request = self._request(cache, cache.tokens + [y], events, s, constraint)
-            tree = self._propose(request)  # 1. propose
-            plan = self.planner.plan(tree, request)  # 2. plan
+            tic = time.perf_counter()
+            request = self._request(cache, cache.tokens + [ev.token], events, s, constraint)
+            draft = self._propose(request)  # 1. propose
+            plan = self.planner.plan(draft, request)  # 2. plan
             if plan.plain:
-                for ev in self._plain_stretch(cache, tree, events, s, constraint):  # its last event: the next y
+                for ev in self._plain_stretch(cache, draft, events, s, constraint):  # its last event: the next y
                     yield ev
                 continue
-            tree, draft_seconds, draft_steps = tree.keep(plan.keep), 0.0, 0
+            draft, draft_seconds, draft_steps = draft.keep(plan.keep), 0.0, 0
             if plan.draft is not None:  # 3. the model drafter, as planned
                 t0 = time.perf_counter()
-                draft_steps = drafter.propose(tree, plan.draft)
+                draft_steps = drafter.propose(draft, plan.draft)
                 draft_seconds = time.perf_counter() - t0
-                if s.greedy:  # exact for any tree: drop what the drafts did not make worth verifying
-                    tree = tree.keep(self.planner.plan(tree, replace(request, limit=0)).keep)
-            history = cache.tokens if s.reads_history else ()  # 4. verify and commit
-            if constraint is not None:  # just after the root
-                constraint.at(cache.tokens + [y])
-            verified = verify_tree(cache.forward_tree(tree), tree, s, history, constraint, rows)
-            path, token = verified.path, verified.token
-            cache.commit(path, len(tree))
+                if s.greedy:  # exact for any draft: drop the drafts that did not make verifying them worth it
+                    draft = draft.keep(self.planner.plan(draft, replace(request, limit=0)).keep)
+            verified = self.verify_step(cache, draft, s, constraint, rows)  # 4. verify
+            accepted, lps = verified.accepted, verified.logprobs
             seconds = time.perf_counter() - tic  # 5. observe
-            self.planner.observe(Outcome(tree, path, token, seconds, draft_seconds, draft_steps))
-            status = describe(tree)
-            for i, node in enumerate(path[1:]):  # 6. emit
-                source = next(k for k in (*FREE_KINDS, drafter and drafter.kind) if k in tree.sources[node])
-                layer = 0 if source in FREE_KINDS else drafter.exit_layer
-                lp = verified.logprobs[i] if rows else None
-                ev = events.event(
-                    tree.tokens[node], exit_layer=layer, drafted=True, source=source, plan=status, logprobs=lp
-                )
+            self.planner.observe(Outcome(draft, accepted, verified.token, seconds, draft_seconds, draft_steps))
+            status = draft.describe()
+            for i in range(1, accepted + 1):  # 6. emit
+                source, lp = draft.sources[i], lps[i - 1] if rows else None
+                ev = events.event(draft.tokens[i], self.layers_used[source], True, source, status, lp)
                 yield ev
                 if ev.finish_reason:
                     return
-            ev = events.event(token, plan=status, logprobs=verified.logprobs[-1] if rows else None)
+            ev = events.event(verified.token, plan=status, logprobs=lps[-1] if rows else None)
             yield ev
 
-    def _request(
-        self, cache: PromptCache, context: list[int], events: EventStream, s: Sampling, constraint
-    ) -> DraftRequest:
-        limit = min(events.max_tokens - events.n - 1, self.max_draft)
-        return DraftRequest(cache, context, limit, s, events.eos_ids, self.width, constraint=constraint)
+    def verify_step(self, cache: PromptCache, draft: Draft, s: Sampling, constraint, rows: bool) -> Verified:
+        """One forward of the full model over ``draft``; the cache keeps the accepted prefix, as if it had been
+        decoded token by token."""
+        history = cache.tokens if s.reads_history else ()
+        if constraint is not None:  # just after the root
+            constraint.at([*cache.tokens, draft.tokens[0]])
+        verified = verify(cache.forward(draft.tokens), draft, s, history, constraint, rows)
+        cache.trim(len(draft) - 1 - verified.accepted)
+        return verified
 
-    def _propose(self, request: DraftRequest) -> DraftTree:
-        """The free drafters' proposals after the root: the grammar's forced text first, the others after it."""
-        tree = DraftTree.root(request.context[-1])
-        if self.grammar is not None and request.constraint is not None:
-            self.grammar.propose(tree, request)
-            if len(tree) > 1:
-                request.context = request.context + tree.tokens[1:]
-                request.after = len(tree) - 1
+    def _request(self, cache, context: list[int], events: EventStream, s: Sampling, constraint) -> DraftRequest:
+        limit = min(events.max_tokens - events.n - 1, self.max_draft)
+        return DraftRequest(cache, context, limit, s, events.eos_ids, constraint=constraint)
+
+    def _propose(self, request: DraftRequest) -> Draft:
+        """The free drafters' proposals after the root, each extending the chain where the one before stopped."""
+        draft = Draft.root(request.context[-1])
         for free in self.free:
-            free.propose(tree, request)
-        return tree
+            free.propose(draft, request)
+        return draft
 
     def _plain_stretch(
-        self, cache: PromptCache, proposals: DraftTree, events: EventStream, s: Sampling, constraint
+        self, cache: PromptCache, proposals: Draft, events: EventStream, s: Sampling, constraint
     ) -> Iterator[TokenEvent]:
         """Plain decoding after ``proposals``' root, each step queued before the previous token is read (as generate
         does; a draft-and-verify step cannot), while the planner expects no draft to pay. After each token the
@@ -159,7 +146,7 @@ class Speculator:
             context.append(int(y.item()))
             toc = time.perf_counter()
             seconds = None if tic is None else toc - tic  # (the first waited for its own forward: not pipelined)
-            self.planner.observe(Outcome(proposals, [0], context[-1], seconds, plain=True))
+            self.planner.observe(Outcome(proposals, 0, context[-1], seconds, plain=True))
             ev = events.event(context[-1], plan="plain", logprobs=lp)
             yield ev
             tic = time.perf_counter()  # the caller's time with the token is not the step's
@@ -184,6 +171,6 @@ def speculative_generate(
     max_draft: int,
     cache: PromptCache | None = None,
 ) -> Iterator[TokenEvent]:
-    """Speculative decoding with one drafter whose every proposal is verified (planner.VerifyAll)."""
+    """Speculative decoding with one drafter whose every draft is verified (planner.VerifyAll)."""
     engine = Speculator(model, tokenizer, [drafter], VerifyAll([drafter]), max_draft=max_draft)
     return engine(prompt, cache, generation)

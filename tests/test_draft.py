@@ -1,21 +1,21 @@
-"""Draft trees: one forward over a tree gives every node the logits it would get decoded alone, commit leaves the
-cache exactly as sequential decoding would, and tree/hybrid/cost-planned speculative decoding stays greedy-exact.
-The planner's arithmetic and the speculative options' checks are tested here too."""
+"""Drafts: verification accepts a draft exactly where plain decoding would have produced it, and hybrid and
+cost-planned speculative decoding stays greedy-exact, across the end-of-sequence token and under a repetition
+penalty. The speculative options' checks are tested here too."""
 
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.draft import Draft, verify
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
-from m2r2_mlx.decoding.prompt_cache import PromptCache
+from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
-from m2r2_mlx.decoding.tree import DraftTree
 from m2r2_mlx.errors import M2R2Error
 
-import numpy as np
+import mlx.core as mx
 import pytest
 
 from m2r2_tui.render import token_text
@@ -23,60 +23,28 @@ from m2r2_tui.render import token_text
 from .tiny import EosAs, randomize, tiny_model
 from .tiny import random_prompts as _prompts
 
-ARCHS = ["llama", "phi3", "qwen2", "olmoe", "mixtral"]
+
+def test_a_draft_is_a_chain_of_sourced_tokens():
+    draft = Draft.root(7)
+    draft.add(11, "grammar")
+    for t in (12, 13):
+        draft.add(t, "lookup")
+    draft.add(21, "fast", mx.ones(4) / 4)
+    assert (
+        len(draft) == 5 and draft.keep(3).tokens == [7, 11, 12] and draft.keep(3).sources == ["", "grammar", "lookup"]
+    )
+    assert draft.describe() == "fast 1 + grammar 1 + lookup 2" and Draft.root(7).describe() == "plain"
 
 
-def a_tree() -> DraftTree:
-    """Root 7; a chain 11-12-13, a branch 21-22 at the root, a branch 31 after 11 and a shared node 11 proposed
-    twice (by two drafters)."""
-    tree = DraftTree.root(7)
-    a = tree.add_chain(0, [11, 12, 13], "lookup")
-    tree.add_chain(0, [21, 22], "fast")
-    tree.add(a[0], 31, "fast")
-    tree.add(0, 11, "fast")  # the same token again: shares node a[0]
-    return tree
-
-
-def test_tree_structure():
-    tree = a_tree()
-    assert len(tree) == 7 and tree.sources[1] == {"lookup", "fast"}
-    assert tree.children(0) == [1, 4] and tree.path(6) == [0, 1, 6] and tree.depths == [0, 1, 2, 3, 1, 2, 2]
-    kept = tree.keep([2, 5])  # closed under parents
-    assert kept.tokens == [7, 11, 12, 21, 22] and kept.parents == [-1, 0, 1, 0, 3]
-    mask = np.array(tree.mask(2))
-    assert mask.shape == (7, 9) and mask[:, :2].all()
-    assert mask[3, 2:].tolist() == [True, True, True, True, False, False, False]
-    assert mask[6, 2:].tolist() == [True, True, False, False, False, False, True]
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tree_logits_equal_each_path_decoded_alone(arch):
-    model = tiny_model(arch, seed=3).model
-    prompt, tree = [5, 9, 17, 2, 33], a_tree()
-    cache = PromptCache(model)
-    cache.forward(prompt)
-    logits = np.array(cache.forward_tree(tree))
-    for node in range(len(tree)):
-        alone = PromptCache(model)
-        want = alone.forward(prompt + [tree.tokens[i] for i in tree.path(node)])[-1]
-        np.testing.assert_allclose(logits[node], np.array(want), atol=1e-4, err_msg=f"{arch} node {node}")
-
-
-@pytest.mark.parametrize("arch", ["llama", "olmoe"])
-@pytest.mark.parametrize("leaf", [3, 5, 6])
-def test_commit_leaves_the_cache_as_sequential_decoding(arch, leaf):
-    model = tiny_model(arch, seed=4).model
-    prompt, tree = [5, 9, 17, 2, 33], a_tree()
-    cache = PromptCache(model)
-    cache.forward(prompt)
-    cache.forward_tree(tree)
-    path = tree.path(leaf)
-    cache.commit(path, len(tree))
-    seq = prompt + [tree.tokens[i] for i in path]
-    assert cache.tokens == seq and all(layer.offset == len(seq) for layer in cache.layers)
-    alone = PromptCache(model)
-    want = alone.forward(seq + [40])[-1]
-    np.testing.assert_allclose(np.array(cache.forward([40])[-1]), np.array(want), atol=1e-4)
+def test_greedy_verification_accepts_up_to_the_first_miss():
+    logits = mx.eye(32)[mx.array([11, 12, 30, 5])] * 10  # the model's argmax after each position
+    draft = Draft.root(7)
+    for t in (11, 12, 13):
+        draft.add(t, "lookup")
+    verified = verify(logits, draft, Sampling())
+    assert (verified.accepted, verified.token) == (2, 30)  # 11 and 12 accepted; 13 is not the model's 30
+    whole = verify(mx.eye(32)[mx.array([11, 12, 13, 5])] * 10, draft, Sampling())
+    assert (whole.accepted, whole.token) == (3, 5)  # every draft accepted: the model's token after the last
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +55,21 @@ def tiny_m2r2(lm):
     return m
 
 
-def verify_all(model, tok, drafters, max_draft: int, width: int = 1) -> Speculator:
-    return Speculator(model, tok, drafters, VerifyAll(drafters), max_draft=max_draft, width=width)
+def verify_all(model, tok, drafters, max_draft: int) -> Speculator:
+    return Speculator(model, tok, drafters, VerifyAll(drafters), max_draft=max_draft)
 
 
-def cost_planned(model, tok, drafters, max_draft: int = 8, width: int = 3, **costs) -> Speculator:
-    planner = CostPlanner(drafters, max_draft * width, StepCosts(draft_fraction=0.2, **costs))
-    return Speculator(model, tok, drafters, planner, max_draft=max_draft, width=width)
+def cost_planned(model, tok, drafters, max_draft: int = 8, **costs) -> Speculator:
+    planner = CostPlanner(drafters, StepCosts(draft_fraction=0.2, **costs))
+    return Speculator(model, tok, drafters, planner, max_draft=max_draft)
 
 
 def engines(m2r2, tok):
     model = m2r2.base
     both = lambda prior=None: [PromptLookupDrafter(prior=prior or 0.5), LayerDrafter(m2r2, 0, prior=prior)]  # noqa: E731
     return {
-        "width 3, always": verify_all(model, tok, [LayerDrafter(m2r2, 1)], 5, 3),
-        "hybrid, always": verify_all(model, tok, both(), 6, 2),
+        "fast, always": verify_all(model, tok, [LayerDrafter(m2r2, 1)], 5),
+        "hybrid, always": verify_all(model, tok, both(), 6),
         "hybrid, cost": cost_planned(model, tok, both(prior=0.9)),
     }
 
@@ -113,7 +81,7 @@ def collect(events) -> AnswerStats:
     return stats
 
 
-def test_trees_and_hybrid_drafting_are_greedy_exact(lm, tiny_m2r2):
+def test_hybrid_and_cost_planned_drafting_are_greedy_exact(lm, tiny_m2r2):
     model = tiny_m2r2.base
     for name, engine in engines(tiny_m2r2, lm.tokenizer).items():
         drafted = 0
@@ -129,7 +97,7 @@ def test_trees_and_hybrid_drafting_are_greedy_exact(lm, tiny_m2r2):
         assert drafted > 0, f"{name}: no draft was ever accepted, so nothing was tested"
 
 
-def test_tree_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
+def test_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
     model = tiny_m2r2.base
     for prompt in _prompts(6, seed=77):
         prompt = prompt + prompt[:5]
@@ -147,8 +115,6 @@ def test_tree_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
         (dict(max_draft=0), "at least 1"),
         (dict(threshold=float("nan")), "[0, 1]"),
         (dict(threshold=-0.1), "[0, 1]"),
-        (dict(tree_width=0), "tree width"),
-        (dict(tree_width=99), "tree width"),
         (dict(gate=5), "not one of the adapters' gates"),
         (dict(drafter="magic"), "unknown drafter"),
         (dict(planner="sometimes"), "unknown planner"),
@@ -162,8 +128,8 @@ def test_bad_speculative_options_are_one_line(lm, options, says):
 
 @pytest.mark.slow
 def test_greedy_exact_under_a_repetition_penalty(lm, tiny_m2r2):
-    """The penalty reads each position's own history: the verifier must see the sequence up to the node, not the
-    cache as the tree forward left it."""
+    """The penalty reads each position's own history: the verifier must see the sequence up to the position, not
+    the cache as the draft's forward left it."""
     model = tiny_m2r2.base
     for prompt in _prompts(3, seed=5):
         prompt = prompt + prompt[:6]

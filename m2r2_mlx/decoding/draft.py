@@ -1,0 +1,100 @@
+"""A draft: the tokens the drafters propose after the last emitted token, and the rule that verifies them.
+
+Position 0 is the root: the last emitted token, not yet in the cache. Each later position is one drafted token,
+with the drafter that proposed it and the law it was drawn from (None: chosen deterministically). The drafters
+extend one chain, the grammar's forced text first, then prompt lookup's copy, then the fast stream's drafts, so
+the full model verifies it in one ordinary forward and the cache keeps the accepted prefix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
+
+from .sampling import Sampling, filtered_probs, processed_logprobs, sample_from, sampling_probs
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    sources: list[str]  # the drafter of each position ("" for the root)
+    laws: list[mx.array | None]  # the law each position was drawn from (None: deterministic)
+
+    @classmethod
+    def root(cls, token: int) -> Draft:
+        return cls([int(token)], [""], [None])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, source: str, law: mx.array | None = None) -> None:
+        self.tokens.append(int(token))
+        self.sources.append(source)
+        self.laws.append(law)
+
+    def keep(self, n: int) -> Draft:  # the first n positions, the root included
+        return Draft(self.tokens[:n], self.sources[:n], self.laws[:n])
+
+    def describe(self) -> str:
+        """ "plain", or the drafts by drafter: "lookup 4 + fast 1"."""
+        counts = Counter(self.sources[1:])
+        return " + ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) or "plain"
+
+
+@dataclass
+class Verified:
+    """What verification accepted: how many drafts, the full model's token after them, and with ``logprobs`` asked,
+    each emitted token's target log-probabilities (the accepted drafts', then the token's)."""
+
+    accepted: int
+    token: int
+    logprobs: list[mx.array] | None = None
+
+
+def verify(
+    logits: mx.array,
+    draft: Draft,
+    s: Sampling,
+    history: Sequence[int] = (),
+    constraint: Constraint | None = None,
+    logprobs: bool = False,
+) -> Verified:
+    """The accepted prefix of ``draft`` (``logits`` (N, vocab): the full model's at every position) and the token
+    the full model emits after it. ``history``: the sequence before the root (for a repetition penalty);
+    ``constraint``: the answer's grammar just after the root, which masks each target and follows the accepted
+    drafts. Greedy: a draft is accepted where it equals the argmax. Sampled (docs/speculative.md, "Lossless,
+    tested"): a draft x drawn from law q is accepted with probability min(1, p(x) / q(x)), q one-hot for a
+    deterministic draft; at the first rejection the token is drawn from norm(max(p - q, 0)).
+    """
+    history, rows = list(history), [] if logprobs else None
+    per_position = s.reads_history or constraint is not None
+    batch = None if per_position else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
+    for i, nxt in enumerate([*draft.tokens[1:], None]):  # the last position has no draft to test: it returns
+        row = None
+        if per_position or logprobs:
+            x = logits[i] if constraint is None else constraint.mask(logits[i])
+            row = processed_logprobs(x, s, history + draft.tokens[: i + 1])
+            if rows is not None:
+                rows.append(row)
+        if s.greedy:
+            target = batch[i] if batch is not None else int(mx.argmax(row).item())
+            if target != nxt:
+                return Verified(i, target, rows)
+        else:
+            p = batch[i] if batch is not None else filtered_probs(row, s)
+            if nxt is None:
+                return Verified(i, sample_from(p), rows)
+            q = draft.laws[i + 1]
+            ratio = p[nxt] if q is None else p[nxt] / mx.maximum(q[nxt], 1e-20)
+            if mx.random.uniform().item() >= min(1.0, ratio.item()):
+                residual = mx.maximum(p - (mx.zeros_like(p).at[nxt].add(1.0) if q is None else q), 0.0)
+                total = residual.sum()
+                return Verified(i, sample_from(mx.where(total > 0, residual / total, p)), rows)
+        if constraint is not None:
+            constraint.consume(nxt)
