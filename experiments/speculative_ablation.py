@@ -36,6 +36,7 @@ from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from m2r2_bench.methods import MethodSettings, make_method, run_turns
@@ -152,13 +153,31 @@ def seconds_per_step(records: list[dict]) -> float:
     return sum(t["decode_time"] for t in turns) / max(sum(len(t["accept_lengths"]) for t in turns), 1)
 
 
+def rate(records: list[dict], picks) -> float:
+    turns = [t for i in picks for t in records[i]["turns"]]
+    return sum(max(t["new_tokens"] - 1, 0) for t in turns) / sum(t["decode_time"] for t in turns)
+
+
+def against(records: dict, a: str, b: str, rounds: int = 2000, seed: int = 0) -> str:
+    """``a``'s decode speed over ``b``'s, with a 95% interval from resampling the questions (each question's
+    answers by both stay paired: they ran side by side)."""
+    n = len(records[a])
+    rng = np.random.default_rng(seed)
+    draws = [rate(records[a], p) / rate(records[b], p) for p in rng.integers(0, n, size=(rounds, n))]
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return f"{rate(records[a], range(n)) / rate(records[b], range(n)):.3f} [{lo:.3f}, {hi:.3f}]"
+
+
 def report(records, names, categories) -> str:
     """Speedup over plain per category and overall; tokens per step; what a step costs in plain steps; the
-    speedup against the full engine's; answers identical to plain's."""
+    speedup against the full engine's, and against prompt lookup's with a 95% interval; answers identical to
+    plain's."""
     s = summarise(records, names, categories)
     groups = [*categories, "overall"]
-    head = "| variant | " + " | ".join(groups) + " | tokens/step | plain steps/step | vs full | same |"
-    lines = [head, "|" + "---|" * (len(groups) + 5)]
+    versus = "lookup" in names
+    head = "| variant | " + " | ".join(groups) + " | tokens/step | plain steps/step | vs full |"
+    head += " vs lookup (95%) | same |" if versus else " same |"
+    lines = [head, "|" + "---|" * (len(groups) + 5 + versus)]
     full = s.get(("overall", "speculative"), {}).get("speedup")
     plain = seconds_per_step(records["plain"])
     for m in names:
@@ -166,7 +185,9 @@ def report(records, names, categories) -> str:
         o = s["overall", m]
         rel = f"{o['speedup'] / full:.3f}" if full else "-"
         cost = seconds_per_step(records[m]) / plain
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {o['accepted']:.2f} | {cost:.2f} | {rel} | {o['same']} |")
+        row = f"| {m} | " + " | ".join(cells) + f" | {o['accepted']:.2f} | {cost:.2f} | {rel} |"
+        row += f" {against(records, m, 'lookup')} |" if versus else ""
+        lines.append(row + f" {o['same']} |")
     return "\n".join(lines)
 
 

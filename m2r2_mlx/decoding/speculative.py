@@ -145,7 +145,9 @@ class Speculator:
             next_y = None if leave or events.n + 1 >= events.max_tokens else step(y[None])
             context.append(int(y.item()))
             toc = time.perf_counter()
-            seconds = None if tic is None else toc - tic  # (the first waited for its own forward: not pipelined)
+            # timed only with the next step queued in it: the first waited for its own forward (not pipelined), and
+            # where evaluation runs at once (MLX's CPU backend), the last one's forward ran in the step before
+            seconds = None if tic is None or next_y is None else toc - tic
             self.planner.observe(Outcome(proposals, 0, context[-1], seconds, plain=True))
             ev = events.event(context[-1], plan="plain", logprobs=lp)
             yield ev
