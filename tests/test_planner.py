@@ -12,7 +12,7 @@ from m2r2_mlx.decoding.draft import Draft
 from m2r2_mlx.decoding.drafters import PromptLookupDrafter
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
-from m2r2_mlx.decoding.protocols import DraftRequest, Planner
+from m2r2_mlx.decoding.protocols import DraftRequest, Planner, StepPlan
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
@@ -65,6 +65,32 @@ def test_the_lookup_mode_is_the_trivial_planner_with_lookup(lm):
     assert isinstance(decoder.planner, VerifyAll) and [d.kind for d in decoder.free] == ["grammar", "lookup"]
     assert decoder.model_drafter is None
     assert isinstance(make_decoder(lm, DecodeConfig("speculative")).planner, CostPlanner)
+
+
+class PlainOnly:
+    """A planner that never drafts and keeps every outcome."""
+
+    def __init__(self):
+        self.outcomes = []
+
+    def plan(self, draft, request):
+        return StepPlan(1)
+
+    def observe(self, outcome):
+        self.outcomes.append(outcome)
+
+
+def test_a_plain_stretch_times_only_tokens_that_queued_the_next_step(lm):
+    """A plain step's time is what drafting is priced against. The stretch's first token waited for its own
+    forward, and its last queued none (where evaluation runs at once, as on MLX's CPU, its forward ran in the step
+    before): neither is timed; every token between is."""
+    model = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=2).model
+    planner = PlainOnly()
+    engine = Speculator(model, EosAs(lm.tokenizer, eos=10**6), [PromptLookupDrafter()], planner, max_draft=3)
+    tokens = [ev.token for ev in engine(list(range(V)), None, GenerationConfig(12))]
+    assert len(tokens) == 12 and all(o.plain for o in planner.outcomes) and len(planner.outcomes) == 11
+    timed = [o.seconds is not None for o in planner.outcomes]
+    assert timed == [False] + [True] * 9 + [False]
 
 
 class FastStream:

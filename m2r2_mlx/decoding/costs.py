@@ -1,9 +1,10 @@
 """What a speculative step costs on this machine, in plain steps: ratios that a busy machine does not distort.
 
 A verification of n positions costs ``ratio(n)`` plain steps, each sample taken against the plain step's time at
-that moment (timed on every pipelined plain token): when the machine slows, both slow and the ratio stands. Samples
-age out after ``max_age`` steps; a size without fresh ones reads the ``Calibration`` (bare forwards of 1-16
-positions timed when the decoder is built) scaled by how the fresh sizes stand against it. docs/speculative.md.
+that moment (timed on plain tokens decoded with the next one queued): when the machine slows, both slow and the
+ratio stands. Samples age out after ``max_age`` steps; a size without fresh ones reads the ``Calibration`` (bare
+forwards of 1-16 positions timed when the decoder is built) scaled by how the fresh sizes stand against it.
+docs/speculative.md.
 """
 
 from __future__ import annotations
