@@ -28,6 +28,17 @@ def in_group(group: str, category: str) -> bool:
     return group in ("overall", category) or (group == "mt_bench" and category in MT_BENCH)
 
 
+def decode_tokens(turns: list[dict]) -> int:
+    """Tokens decoded over ``turns``, each turn's first (prefill's) left out."""
+    return sum(max(t["new_tokens"] - 1, 0) for t in turns)
+
+
+def decode_rate(turns: list[dict]) -> float:
+    """Decode tokens per second over ``turns`` (summed tokens over summed time)."""
+    secs = sum(t["decode_time"] for t in turns)
+    return decode_tokens(turns) / secs if secs else 0.0
+
+
 def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
     """Per (category or group, method): decode tokens/s (summed tokens over summed time), speedup, acceptance,
     memory."""
@@ -38,18 +49,16 @@ def summarise(records: dict, methods: list[str], categories: list[str]) -> dict:
             turns = [t for r in answers for t in r["turns"]]
             if not turns:
                 continue
-            toks = sum(max(t["new_tokens"] - 1, 0) for t in turns)
-            secs = sum(t["decode_time"] for t in turns)
             acc = [a for t in turns for a in t["accept_lengths"]]
             compared = [r["same_as_plain"] for r in answers if r["same_as_plain"] is not None]
             n = len(answers)
             summary[cat, m] = {
-                "tok_s": toks / secs if secs else 0.0,
+                "tok_s": decode_rate(turns),
                 "accepted": statistics.mean(acc) if acc else 1.0,
                 "hist": Counter(acc),
                 "peak_gb": max(t["peak_memory_gb"] for t in turns),
                 "same": f"{sum(compared)}/{n}" if compared else "- (sampled)",
-                "tokens": toks,
+                "tokens": decode_tokens(turns),
                 "drafted_by": sum((Counter(t.get("drafted_by", {})) for t in turns), Counter()),
             }
         plain = summary.get((cat, "plain"), {}).get("tok_s", 0.0)
@@ -138,8 +147,8 @@ def answers_table(records: dict, methods: list[str]) -> str:
             continue
         for i, r in enumerate(records[m]):
             base = plain.get(r["question_id"])
-            rate = _rate(r["turns"])
-            speedup = rate / _rate(base["turns"]) if base and _rate(base["turns"]) else 0.0
+            rate = decode_rate(r["turns"])
+            speedup = rate / decode_rate(base["turns"]) if base and decode_rate(base["turns"]) else 0.0
             acc = [a for t in r["turns"] for a in t["accept_lengths"]]
             by = sum((Counter(t.get("drafted_by", {})) for t in r["turns"]), Counter())
             lines.append(
@@ -147,12 +156,6 @@ def answers_table(records: dict, methods: list[str]) -> str:
                 f"{statistics.mean(acc) if acc else 1.0:.2f} | {drafts_text(by)} |"
             )
     return "\n".join(lines)
-
-
-def _rate(turns: list[dict]) -> float:
-    toks = sum(max(t["new_tokens"] - 1, 0) for t in turns)
-    secs = sum(t["decode_time"] for t in turns)
-    return toks / secs if secs else 0.0
 
 
 def write_answers(records: dict, methods: list[str], model_name: str, out: Path) -> None:

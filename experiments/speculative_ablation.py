@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from m2r2_bench.methods import MethodSettings, make_method, run_turns
 from m2r2_bench.questions import ordered, select_questions
-from m2r2_bench.report import summarise
+from m2r2_bench.report import decode_rate, summarise
 
 
 class NoOptimism(CostPlanner):
@@ -154,8 +154,7 @@ def seconds_per_step(records: list[dict]) -> float:
 
 
 def rate(records: list[dict], picks) -> float:
-    turns = [t for i in picks for t in records[i]["turns"]]
-    return sum(max(t["new_tokens"] - 1, 0) for t in turns) / sum(t["decode_time"] for t in turns)
+    return decode_rate([t for i in picks for t in records[i]["turns"]])
 
 
 def against(records: dict, a: str, b: str, rounds: int = 2000, seed: int = 0) -> str:
