@@ -83,9 +83,12 @@ def chain(model, tok, drafter):
     return lambda prompt, cache, generation: speculative_generate(model, tok, prompt, drafter, generation, max_draft=2)
 
 
-def tv_bound(p: np.ndarray) -> float:
-    """1.6x the expected total-variation distance of N draws from p (E|X/N - p| ~ sqrt(2p(1-p)/(pi N)))."""
-    return 1.6 * 0.5 * np.sqrt(2 * p * (1 - p) / (np.pi * N)).sum()
+def tv_bound(p: np.ndarray, trials: int = 2000) -> float:
+    """A quarter above the largest total-variation distance that ``trials`` sets of N exact draws from p reach. A
+    closed form (the mean of |X/N - p| summed over cells) misjudges the tail where a few cells hold most of the
+    mass; there an exact sampler failed it about once in 30 runs."""
+    draws = np.random.default_rng(1).multinomial(N, p.ravel(), size=trials) / N
+    return 1.25 * 0.5 * np.abs(draws - p.ravel()).sum(axis=1).max()
 
 
 def accept_every_draft(logits, draft, s, history=(), constraint=None, logprobs=False):  # no rejection step
