@@ -74,7 +74,8 @@ def verify(
     """
     history, rows = list(history), [] if logprobs else None
     per_position = s.reads_history or constraint is not None
-    batch = None if per_position else (mx.argmax(logits, axis=-1).tolist() if s.greedy else sampling_probs(logits, s))
+    # sampled, each position's law is built only once verification reaches it: top-p sorts the vocabulary
+    targets = mx.argmax(logits, axis=-1).tolist() if s.greedy and not per_position else None
     for i, nxt in enumerate([*draft.tokens[1:], None]):  # the last position has no draft to test: it returns
         row = None
         if per_position or logprobs:
@@ -83,11 +84,11 @@ def verify(
             if rows is not None:
                 rows.append(row)
         if s.greedy:
-            target = batch[i] if batch is not None else int(mx.argmax(row).item())
+            target = targets[i] if targets is not None else int(mx.argmax(row).item())
             if target != nxt:
                 return Verified(i, target, rows)
         else:
-            p = batch[i] if batch is not None else filtered_probs(row, s)
+            p = filtered_probs(row, s) if row is not None else sampling_probs(logits[i], s)
             if nxt is None:
                 return Verified(i, sample_from(p), rows)
             q = draft.laws[i + 1]
