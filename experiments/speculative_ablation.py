@@ -88,23 +88,25 @@ def make_variant(lm, name: str, settings: MethodSettings):
         return engine
     if not name.startswith("no-"):
         return make_method(lm, name, settings)
-    piece = name[3:]
+    pieces = name[3:].split("+")  # "no-aging+optimism": both off
+    unknown = [p for p in pieces if p not in PIECES]
+    if unknown:
+        raise ValueError(f"unknown piece {unknown[0]!r}; choose from {', '.join(PIECES)}")
     config = DecodeConfig("speculative", gate=settings.gate)
-    if piece == "cost-model":
+    if "cost-model" in pieces:
         config = replace(config, planner="always")
     engine = make_decoder(lm, config, settings.adapters)
     planner = engine.planner
-    if piece == "calibration":
+    if "calibration" in pieces:
         planner.costs = StepCosts(None, draft_fraction=planner.costs.draft_fraction)
-    elif piece == "floor":
+    if "floor" in pieces:
         planner.lookup_floor = 0
-    elif piece == "aging":
+    if "aging" in pieces:
         planner.costs.max_age = 10**9
-    elif piece in ("best-prefix", "optimism", "shadow"):
-        variants = {"best-prefix": GreedySelection, "optimism": NoOptimism, "shadow": NoShadow}
-        planner.__class__ = variants[piece]
-    elif piece != "cost-model":
-        raise ValueError(f"unknown piece {piece!r}; choose from {', '.join(PIECES)}")
+    classes = {"best-prefix": GreedySelection, "optimism": NoOptimism, "shadow": NoShadow}
+    bases = tuple(classes[p] for p in pieces if p in classes)
+    if bases:
+        planner.__class__ = type("Variant", bases, {})
     return engine
 
 
