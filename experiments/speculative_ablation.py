@@ -11,7 +11,9 @@ tokens, times and acceptance) and results.md (speedup over plain per category, t
 costs in plain steps). The ablation that chose the engine's pieces ran on the engine before issue 39 (commit
 0e6c820, where this script also switched off the pieces since removed: staleness, shadow chains, probes, context
 buckets, floors, new-answer scaling; shadow scoring came back in its present form for the session check); draft
-trees and the acceptance signal were switched off here until they were removed (commit df1caa2).
+trees and the acceptance signal were switched off here until they were removed (commit df1caa2); so were the costs
+timed at build (calibration), cost aging and the fast stream's optimistic rate, until the timing fix showed that none
+of them paid.
 
 Each variant is the built engine with one piece replaced (the product has no switches for them):
 """
@@ -29,7 +31,6 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.planner import CostPlanner
 from m2r2_mlx.errors import run_cli
@@ -42,11 +43,6 @@ from tqdm.auto import tqdm
 from m2r2_bench.methods import MethodSettings, make_method, run_turns
 from m2r2_bench.questions import ordered, select_questions
 from m2r2_bench.report import decode_rate, summarise
-
-
-class NoOptimism(CostPlanner):
-    def rate(self, kind, position):
-        return self.rates.mean(self.keys(kind, position), self.priors.get(kind, 0.5))
 
 
 class GreedySelection(CostPlanner):
@@ -70,10 +66,7 @@ class NoShadow(CostPlanner):
 
 PIECES = {
     "cost-model": "every proposal of both drafters verified (the planner always)",
-    "calibration": "no calibrated costs: the first steps price every size from a guess, then what they measure",
-    "aging": "samples never age out; the plain step is not timed again for age",
     "best-prefix": "nodes join only while each one alone raises tokens per second",
-    "optimism": "the fast stream priced at its mean rate",
     "shadow": "plain stretches teach nothing: the proposals they did not verify are not scored",
     "floor": "lookup's first continuation priced like every other node (before issue 39's held-out run)",
 }
@@ -88,7 +81,7 @@ def make_variant(lm, name: str, settings: MethodSettings):
         return engine
     if not name.startswith("no-"):
         return make_method(lm, name, settings)
-    pieces = name[3:].split("+")  # "no-aging+optimism": both off
+    pieces = name[3:].split("+")  # "no-floor+shadow": both off
     unknown = [p for p in pieces if p not in PIECES]
     if unknown:
         raise ValueError(f"unknown piece {unknown[0]!r}; choose from {', '.join(PIECES)}")
@@ -97,13 +90,9 @@ def make_variant(lm, name: str, settings: MethodSettings):
         config = replace(config, planner="always")
     engine = make_decoder(lm, config, settings.adapters)
     planner = engine.planner
-    if "calibration" in pieces:
-        planner.costs = StepCosts(None, draft_fraction=planner.costs.draft_fraction)
     if "floor" in pieces:
         planner.lookup_floor = 0
-    if "aging" in pieces:
-        planner.costs.max_age = 10**9
-    classes = {"best-prefix": GreedySelection, "optimism": NoOptimism, "shadow": NoShadow}
+    classes = {"best-prefix": GreedySelection, "shadow": NoShadow}
     bases = tuple(classes[p] for p in pieces if p in classes)
     if bases:
         planner.__class__ = type("Variant", bases, {})

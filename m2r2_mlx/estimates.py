@@ -3,7 +3,7 @@
 Both planners learn rates online while the text under them changes: the speculative engine whether a drafter's
 proposal is accepted (decoding/planner.py), the expert loader whether a predicted expert is used
 (moe/planner.py). Counts decay every step, so an estimate follows the text (a passage being copied, then new
-writing) and one left unused grows uncertain again. A planner that learns only from what it chooses to do may
+writing) and one left unused drifts back to its prior. A planner that learns only from what it chooses to do may
 also probe now and then, from a budget of a small share of its time (the expert loader's governor does).
 """
 
@@ -41,10 +41,6 @@ class Rates:
 
     def mean(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
         return self.posterior(keys, prior)[0]
-
-    def optimistic(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
-        """Mean plus one standard deviation: a rate still uncertain is worth trying at."""
-        return min(sum(self.posterior(keys, prior)), 1.0)
 
     def pessimistic(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
         """Mean minus one standard deviation: what a costly action is decided on."""

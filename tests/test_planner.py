@@ -6,7 +6,7 @@ stream only where its drafts pay for their steps."""
 from __future__ import annotations
 
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.costs import Calibration, StepCosts
+from m2r2_mlx.decoding.costs import StepCosts
 from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.draft import Draft
 from m2r2_mlx.decoding.drafters import PromptLookupDrafter
@@ -151,8 +151,11 @@ def test_a_chain_that_pays_as_a_whole_is_verified_whole():
     """Best-prefix selection: where the first extra position costs much more than the next ones (this CPU's
     curve), a first proposal that alone would not pay, followed by ones that are sure once it is accepted (a
     copied span), is verified with them."""
-    costs = StepCosts(Calibration(0.050, {2: 1.3, 4: 1.34, 8: 1.42}))
+    costs = StepCosts()
     costs.observe_plain(0.050)
+    for n, ratio in ((2, 1.3), (4, 1.34), (8, 1.42)):
+        for _ in range(2):
+            costs.observe_verify(n, 0.050 * ratio)
     planner = CostPlanner([PromptLookupDrafter()], costs)
     for depth, accepted in ((1, 25), (2, 98), (3, 98)):
         for i in range(100):

@@ -16,7 +16,7 @@ from ..core.draft_vocab import FILE, load_draft_vocab
 from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_adapters
 from ..errors import M2R2Error
 from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, PLANNERS, DecodeConfig
-from .costs import StepCosts, measure_calibration
+from .costs import StepCosts
 from .drafters import ForcedDrafter, LayerDrafter, PromptLookupDrafter
 from .early_exit import EarlyExitDecoder, ExitPolicy, confidence
 from .generate import PlainDecoder
@@ -134,7 +134,7 @@ def build_speculator(lm, config: DecodeConfig, adapters: Path | None) -> Decoder
     if planner == "cost":
         model = next((d for d in drafters if not d.free), None)
         fraction = model.exit_layer / lm.num_layers if model else 0.0  # a draft step's cost before one is timed
-        costs = StepCosts(measure_calibration(lm.model), draft_fraction=fraction)  # a first answer pays nothing for it
+        costs = StepCosts(draft_fraction=fraction)
         floor = DRAFT_DEFAULTS["always"].max_draft  # lookup's first tokens, as far as the lookup mode verifies them
         chosen = CostPlanner(drafters, costs, lookup_floor=floor)
     else:

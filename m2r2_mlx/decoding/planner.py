@@ -49,10 +49,9 @@ class CostPlanner:
         return ((kind, min(position, 4)),)  # positions 1, 2, 3, 4+
 
     def rate(self, kind: str, position: int) -> float:
-        """Lookup at its mean (free and many: optimism would compound along a chain); the fast stream at mean plus
-        one standard deviation, so a drafter left unused is tried again as its estimate grows uncertain."""
-        read = self.rates.mean if kind == "lookup" else self.rates.optimistic
-        return read(self.keys(kind, position), self.priors.get(kind, 0.5))
+        """The estimated acceptance rate; counts decay, so a drafter left unused drifts back to its prior and is
+        tried again."""
+        return self.rates.mean(self.keys(kind, position), self.priors.get(kind, 0.5))
 
     def reach(self, draft: Draft) -> list[float]:
         """pi per position (1 for the root): the probability that verification accepts it."""
@@ -101,8 +100,6 @@ class CostPlanner:
         return self.drafting_pays(draft, *self.select(draft), limit=1)
 
     def plan(self, draft: Draft, request: DraftRequest) -> StepPlan:
-        if self.costs.plain_due:  # the plain step is timed again before anything is priced against it
-            return StepPlan(1)
         keep, tokens, seconds = self.select(draft)
         draft = draft.keep(keep)
         room = request.room(draft)
