@@ -4,6 +4,7 @@ from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.history import TokenHistory
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import speculative_generate
@@ -147,3 +148,15 @@ def test_threshold_cuts_drafts_and_stays_lossless(lm, tiny_m2r2):
         assert [
             e.token for e in speculative_generate(model, tok, p, drafter, GenerationConfig(20), max_draft=4)
         ] == plain
+
+
+def test_token_history_grows_without_changing_what_it_handed_out():
+    history = TokenHistory(range(250))
+    before = history.view()
+    history.extend(range(1000, 1100))  # past the first buffer: a new one
+    history.append(7)
+    assert len(history) == 351 and history.last == 7
+    assert before.tolist() == list(range(250))  # a view handed out earlier still reads its tokens
+    assert history.view().tolist() == [*range(250), *range(1000, 1100), 7]
+    found = PromptLookupDrafter().continuation(TokenHistory([5, 6, 7, 1, 5, 6]).view(), 3)
+    assert found == [7, 1, 5]  # lookup reads the view as it reads a list

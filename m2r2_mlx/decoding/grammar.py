@@ -88,7 +88,7 @@ class Constraint:
 
     def at(self, sequence: Sequence[int]) -> "Constraint":
         """Move the matcher to just after ``sequence`` (prompt and answer so far)."""
-        answer = list(sequence[self.start :])
+        answer = [int(t) for t in sequence[self.start :]]
         same = min(len(self.tokens), len(answer))
         if self.tokens[:same] != answer[:same]:
             same = next(i for i in range(same) if self.tokens[i] != answer[i])

@@ -48,9 +48,9 @@ class DraftRequest:
         """How many more tokens ``draft`` may take."""
         return self.limit - (len(draft) - 1)
 
-    def context_of(self, draft: Draft) -> list[int]:
-        """Every token up to the end of ``draft``."""
-        return [*self.context, *draft.tokens[1:]]
+    def context_of(self, draft: Draft) -> Sequence[int]:
+        """Every token up to the end of ``draft`` (the context itself, uncopied, where the draft is its root)."""
+        return self.context if len(draft) == 1 else [*self.context, *draft.tokens[1:]]
 
 
 @runtime_checkable

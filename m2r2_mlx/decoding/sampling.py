@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..errors import M2R2Error
@@ -79,9 +80,10 @@ class NextToken:
 
     def __init__(self, s: Sampling, history: Sequence[int], constraint: Constraint | None = None):
         self.sampler, self.processors, self.size = s.sampler(), s.processors(), s.repetition_context_size
-        self.history = mx.array(list(history)[-self.size :], mx.int32) if self.processors else None
+        recent = np.asarray(history[-self.size :] if len(history) else [], np.int32)
+        self.history = mx.array(recent) if self.processors else None
         self.constraint = constraint
-        self.sequence = list(history) if constraint is not None else None  # what the grammar reads
+        self.sequence = [int(t) for t in history] if constraint is not None else None  # what the grammar reads
         self.processed: mx.array | None = None  # the last call's logits after the mask and the processors
 
     def feed(self, token: mx.array) -> None:

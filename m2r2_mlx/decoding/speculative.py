@@ -18,6 +18,7 @@ from .config import GenerationConfig
 from .draft import Draft, Verified, verify
 from .events import EventStream, TokenEvent
 from .generate import start_decoding
+from .history import TokenHistory
 from .planner import VerifyAll
 from .prompt_cache import PromptCache
 from .protocols import Drafter, DraftRequest, Outcome, Planner
@@ -65,13 +66,14 @@ class Speculator:
         constraint, rows = sample.constraint, events.logprobs is not None
         ev = events.event(int(sample(logits).item()), logprobs=sample.logprobs if rows else None)
         yield ev
+        history = TokenHistory([*cache.tokens, ev.token])  # ends with the root: the last token, not yet in the cache
         while not ev.finish_reason:
             tic = time.perf_counter()
-            request = self._request(cache, cache.tokens + [ev.token], events, s, constraint)
+            request = self._request(cache, history, events, s, constraint)
             draft = self._propose(request)  # 1. propose
             plan = self.planner.plan(draft, request)  # 2. plan
             if plan.plain:
-                for ev in self._plain_stretch(cache, draft, events, s, constraint):  # its last event: the next y
+                for ev in self._plain_stretch(cache, history, draft, events, s, constraint):  # last: the next y
                     yield ev
                 continue
             draft, draft_seconds, draft_steps = draft.keep(plan.keep), 0.0, 0
@@ -85,6 +87,7 @@ class Speculator:
             accepted, lps = verified.accepted, verified.logprobs
             seconds = time.perf_counter() - tic  # 5. observe
             self.planner.observe(Outcome(draft, accepted, verified.token, seconds, draft_seconds, draft_steps))
+            history.extend([*draft.tokens[1 : accepted + 1], verified.token])
             status = draft.describe()
             for i in range(1, accepted + 1):  # 6. emit
                 source, lp = draft.sources[i], lps[i - 1] if rows else None
@@ -105,19 +108,19 @@ class Speculator:
         cache.trim(len(draft) - 1 - verified.accepted)
         return verified
 
-    def _request(self, cache, context: list[int], events: EventStream, s: Sampling, constraint) -> DraftRequest:
+    def _request(self, cache, history: TokenHistory, events: EventStream, s: Sampling, constraint) -> DraftRequest:
         limit = min(events.max_tokens - events.n - 1, self.max_draft)
-        return DraftRequest(cache, context, limit, s, events.eos_ids, constraint=constraint)
+        return DraftRequest(cache, history.view(), limit, s, events.eos_ids, constraint=constraint)
 
     def _propose(self, request: DraftRequest) -> Draft:
         """The free drafters' proposals after the root, each extending the chain where the one before stopped."""
-        draft = Draft.root(request.context[-1])
+        draft = Draft.root(int(request.context[-1]))
         for free in self.free:
             free.propose(draft, request)
         return draft
 
     def _plain_stretch(
-        self, cache: PromptCache, proposals: Draft, events: EventStream, s: Sampling, constraint
+        self, cache: PromptCache, history: TokenHistory, proposals: Draft, events: EventStream, s: Sampling, constraint
     ) -> Iterator[TokenEvent]:
         """Plain decoding after ``proposals``' root, each step queued before the previous token is read (as generate
         does; a draft-and-verify step cannot), while the planner expects no draft to pay. After each token the
@@ -125,9 +128,8 @@ class Speculator:
         Leaving depends only on tokens already read, never on the one in flight. The planner observes each plain
         step: its time (the pipelined one that drafting has to beat) and its token after the unverified proposals.
         """
-        y = proposals.tokens[0]
-        context = cache.tokens + [y]  # ints: reading the cache's would wait for the step in flight
-        sample = NextToken(s, context[:-1], constraint)  # as generate draws it
+        y = proposals.tokens[0]  # ``history`` ends with it; it gains each token as read (not the cache's: reading
+        sample = NextToken(s, history.view()[:-1], constraint)  # those would wait for the step in flight)
         rows = events.logprobs is not None
 
         def step(token: mx.array) -> tuple[mx.array, mx.array | None]:  # feed ``token`` (shape (1,)); the next one
@@ -143,18 +145,18 @@ class Speculator:
         (y, lp), tic, leave = step(mx.array([y])), None, False
         while True:
             next_y = None if leave or events.n + 1 >= events.max_tokens else step(y[None])
-            context.append(int(y.item()))
+            history.append(int(y.item()))
             toc = time.perf_counter()
             # timed only with the next step queued in it: the first waited for its own forward (not pipelined), and
             # where evaluation runs at once (MLX's CPU backend), the last one's forward ran in the step before
             seconds = None if tic is None or next_y is None else toc - tic
-            self.planner.observe(Outcome(proposals, 0, context[-1], seconds, plain=True))
-            ev = events.event(context[-1], plan="plain", logprobs=lp)
+            self.planner.observe(Outcome(proposals, 0, history.last, seconds, plain=True))
+            ev = events.event(history.last, plan="plain", logprobs=lp)
             yield ev
             tic = time.perf_counter()  # the caller's time with the token is not the step's
             if ev.finish_reason or leave:
                 return
-            request = self._request(cache, context, events, s, constraint)
+            request = self._request(cache, history, events, s, constraint)
             proposals = self._propose(request)
             # one more token comes before the draft step: leave only where that step may still draft
             leave = events.max_tokens - events.n > 2 and not self.planner.plan(proposals, request).plain

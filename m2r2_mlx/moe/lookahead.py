@@ -85,7 +85,7 @@ class LookaheadAdapters(nn.Module):
         return out
 
 
-def _routed(model, blocks: dict[int, nn.Module], ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def record_routes(model, blocks: dict[int, nn.Module], ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Each MoE layer's router (input, logits) over a batch of rows: (B, T, D) and (B, T, E), float32 numpy."""
     recorders = {l: _Recorder(b.gate) for l, b in blocks.items()}
     for l, b in blocks.items():
@@ -142,7 +142,7 @@ def train_lookahead(
     xtx = {t: np.zeros((d + 1, d + 1)) for t in layers}
     xtz = {t: np.zeros((d + 1, gate0.shape[0])) for t in layers}
     for b in tqdm(range(0, len(rows), batch), desc="lookahead adapters", unit="batch", disable=not progress):
-        routed = _routed(lm.model, blocks, rows[b : b + batch])
+        routed = record_routes(lm.model, blocks, rows[b : b + batch])
         for t in layers:
             x, z = _pairs(adapters, routed, layers, t)
             x = np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1).astype(np.float64)
@@ -165,7 +165,7 @@ def evaluate(lm, adapters: LookaheadAdapters, heldout: np.ndarray, seq_len: int 
     blocks = dict(moe_blocks(lm.model))
     layers = sorted(blocks)
     rows = heldout.reshape(-1)[: heldout.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)[:8]
-    routed = _routed(lm.model, blocks, rows)
+    routed = record_routes(lm.model, blocks, rows)
     recall = {"adapters": [], "router_same_lead": [], "pregating_next_layer": []}
     for i, t in enumerate(layers):
         k = top_k(blocks[t])
