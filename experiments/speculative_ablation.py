@@ -32,7 +32,7 @@ import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.decoders import make_decoder
-from m2r2_mlx.decoding.planner import CostPlanner
+from m2r2_mlx.decoding.planner import CostPlanner, Selection
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -56,7 +56,7 @@ class GreedySelection(CostPlanner):
             if t / s <= tokens / seconds:
                 break
             tokens, seconds, n = t, s, n + 1
-        return n, tokens, seconds
+        return Selection(n, tokens, seconds, pi)
 
 
 class NoShadow(CostPlanner):

@@ -31,16 +31,20 @@ class Rates:
             c[0] += yes
             c[1] += 1
 
-    def posterior(self, keys: Sequence[Hashable], prior: float | None = None) -> tuple[float, float]:
-        """Mean and standard deviation under the finest of ``keys``."""
+    def _mean_and_total(self, keys: Sequence[Hashable], prior: float | None) -> tuple[float, float]:
         mean, total = self.prior if prior is None else prior, self.strength
         for key in reversed(keys):
             yes, seen = self.counts.get(key, (0.0, 0.0))
             mean, total = (yes + self.strength * mean) / (seen + self.strength), seen + self.strength
+        return mean, total
+
+    def posterior(self, keys: Sequence[Hashable], prior: float | None = None) -> tuple[float, float]:
+        """Mean and standard deviation under the finest of ``keys``."""
+        mean, total = self._mean_and_total(keys, prior)
         return mean, math.sqrt(mean * (1 - mean) / (total + 1))
 
     def mean(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
-        return self.posterior(keys, prior)[0]
+        return self._mean_and_total(keys, prior)[0]
 
     def pessimistic(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
         """Mean minus one standard deviation: what a costly action is decided on."""

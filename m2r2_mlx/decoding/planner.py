@@ -11,6 +11,7 @@ each piece: docs/speculative.md.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from ..estimates import Rates
 from .costs import StepCosts
@@ -29,6 +30,16 @@ class VerifyAll:
 
     def observe(self, outcome: Outcome) -> None:
         pass
+
+
+class Selection(NamedTuple):
+    """A prefix chosen for verification: its positions (the root included), the tokens they are expected to yield
+    and their seconds; ``reach``: each position's probability of acceptance, over the whole draft."""
+
+    n: int
+    tokens: float
+    seconds: float
+    reach: list[float]
 
 
 class CostPlanner:
@@ -71,24 +82,24 @@ class CostPlanner:
             n += 1
         return n
 
-    def select(self, draft: Draft) -> tuple[int, float, float]:
-        """How many positions to verify (a prefix, the root included), the tokens they are expected to yield, and
-        their seconds: the prefix with the most tokens per second, or the floor where that is longer."""
+    def select(self, draft: Draft) -> Selection:
+        """The prefix with the most tokens per second, or the floor where that is longer."""
         pi = self.reach(draft)
         tokens, seconds = 1.0, self.costs.verify_cost(1)
-        best = (1, tokens, seconds)
+        best = Selection(1, tokens, seconds, pi)
         for n in range(1, len(draft)):
             tokens, seconds = tokens + pi[n], seconds + self.costs.extra(n)
-            if tokens / seconds > best[1] / best[2]:
-                best = (n + 1, tokens, seconds)
+            if tokens / seconds > best.tokens / best.seconds:
+                best = Selection(n + 1, tokens, seconds, pi)
         floor = self.floor(draft)
-        return best if floor <= best[0] else (floor, sum(pi[:floor]), self.costs.verify_cost(floor))
+        return best if floor <= best.n else Selection(floor, sum(pi[:floor]), self.costs.verify_cost(floor), pi)
 
-    def drafting_pays(self, draft: Draft, n: int, tokens: float, seconds: float, limit: int) -> bool:
-        """Whether the fast stream drafting after ``draft``'s last position (up to ``limit`` tokens) raises the
-        tokens per second of a step that verifies ``n`` positions for ``tokens`` in ``seconds``."""
-        pi, step, rate = self.reach(draft)[-1], self.costs.draft_cost(), tokens / seconds
-        for position in range(len(draft), len(draft) + limit):
+    def drafting_pays(self, chosen: Selection, end: int, limit: int) -> bool:
+        """Whether the fast stream drafting after the draft's first ``end`` positions (up to ``limit`` tokens)
+        raises the tokens per second of the ``chosen`` verification."""
+        n, tokens, seconds = chosen.n, chosen.tokens, chosen.seconds
+        pi, step, rate = chosen.reach[end - 1], self.costs.draft_cost(), tokens / seconds
+        for position in range(end, end + limit):
             pi *= self.rate(self.model_kind, position)
             tokens, seconds, n = tokens + pi, seconds + step + self.costs.extra(n), n + 1
             if tokens / seconds > rate:
@@ -97,17 +108,17 @@ class CostPlanner:
 
     def go_on(self, draft: Draft) -> bool:
         """After the fast stream's latest draft: whether one more draft step is expected to pay."""
-        return self.drafting_pays(draft, *self.select(draft), limit=1)
+        return self.drafting_pays(self.select(draft), len(draft), limit=1)
 
     def plan(self, draft: Draft, request: DraftRequest) -> StepPlan:
-        keep, tokens, seconds = self.select(draft)
-        draft = draft.keep(keep)
+        chosen = self.select(draft)
+        draft = draft.keep(chosen.n)
         room = request.room(draft)
         if self.model_kind is None or room <= 0 or draft.tokens[-1] in request.eos_ids:
-            return StepPlan(keep)
-        if not self.drafting_pays(draft, keep, tokens, seconds, room):
-            return StepPlan(keep)
-        return StepPlan(keep, replace(request, go_on=self.go_on))
+            return StepPlan(chosen.n)
+        if not self.drafting_pays(chosen, chosen.n, room):
+            return StepPlan(chosen.n)
+        return StepPlan(chosen.n, replace(request, go_on=self.go_on))
 
     def observe(self, outcome: Outcome) -> None:
         draft = outcome.draft
