@@ -56,7 +56,12 @@ class GreedySelection(CostPlanner):
             if t / s <= tokens / seconds:
                 break
             tokens, seconds, n = t, s, n + 1
-        return Selection(n, tokens, seconds, pi)
+        floor = self.floor(draft)  # as the product's selection: only the rule above the floor changes
+        return (
+            Selection(n, tokens, seconds, pi)
+            if floor <= n
+            else Selection(floor, sum(pi[:floor]), self.costs.verify_cost(floor), pi)
+        )
 
 
 class NoShadow(CostPlanner):
@@ -66,7 +71,8 @@ class NoShadow(CostPlanner):
 
 PIECES = {
     "cost-model": "every proposal of both drafters verified (the planner always)",
-    "best-prefix": "nodes join only while each one alone raises tokens per second",
+    "best-prefix": "above the floor, positions join only while each one alone raises tokens per second (in the "
+    "runs committed up to ho-given-sampled-pieces-lean it skipped the floor too)",
     "shadow": "plain stretches teach nothing: the proposals they did not verify are not scored",
     "floor": "lookup's first continuation priced like every other node (before issue 39's held-out run)",
 }
