@@ -12,12 +12,12 @@ of layers t-L and below and names t's top-k experts:
 - ``router``: t's own router on layer t-L's input (pre-gating that far ahead);
 - ``ridge``: the lookahead map (ridge regression to t's router logits from layer t-L's input, pulled towards the
   router, as moe/lookahead.py fits it);
-- ``ridge, 3 layers``: the same from layers t-L, t-L-1 and t-L-2 side by side;
-- ``classifier, 3 layers``: a two-layer MLP on those three inputs, trained as a multi-label classifier of t's
-  top-k set (binary cross-entropy per expert, Adam).
+- ``ridge, 3 layers``: the same from layers t-L, t-L-1 and t-L-2 side by side (and with a ridge 100x weaker);
+- ``classifier``, ``classifier, 3 layers``: a two-layer MLP on layer t-L's input, or on all three, trained as a
+  multi-label classifier of t's top-k set (binary cross-entropy per expert, AdamW).
 
-Each is fitted on the first 16,384 training tokens (the lookahead maps' size) and on all 65,536. The score is
-held-out recall of the top-k (= precision, as k are named). Figures depend only on the seed.
+Each is fitted on the first 16,384 training tokens (the lookahead maps' size) and on all 65,536 (``--sizes``).
+The score is held-out recall of the top-k (= precision, as k are named). Figures depend only on the seed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 LEADS = (1, 2, 3)
-SIZES = (16_384, 65_536)
 DEPTH = 3  # source layers a multi-layer predictor reads
 
 
@@ -62,12 +61,13 @@ def recall(scores: np.ndarray, logits: np.ndarray, k: int) -> float:
     return float(np.mean([len(set(p) & set(t)) / k for p, t in zip(pick, true)]))
 
 
-def ridge(x: np.ndarray, z: np.ndarray, prior: np.ndarray, strength: float = 1.0) -> np.ndarray:
-    """Weights (D+1, E) of ridge regression from x to z, pulled towards ``prior`` (scaled to the inputs' energy)."""
+def ridge(x: np.ndarray, z: np.ndarray, prior: np.ndarray, strengths=(1.0,)) -> list[np.ndarray]:
+    """Weights (D+1, E) of ridge regression from x to z, pulled towards ``prior`` (scaled to the inputs' energy),
+    one per strength."""
     x = np.concatenate([x.astype(np.float64), np.ones((len(x), 1))], 1)
-    xtx = x.T @ x
-    scale = strength * np.trace(xtx) / len(xtx)
-    return np.linalg.solve(xtx + scale * np.eye(len(xtx)), x.T @ z + scale * prior)
+    xtx, xtz = x.T @ x, x.T @ z
+    scales = [strength * np.trace(xtx) / len(xtx) for strength in strengths]
+    return [np.linalg.solve(xtx + c * np.eye(len(xtx)), xtz + c * prior) for c in scales]
 
 
 def affine(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -112,9 +112,9 @@ def members(logits: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def measure(blocks: dict, train: dict, held: dict, targets: list[int], layers: list[int]) -> list[dict]:
-    rows = []
-    jobs = [(t, lead, n) for lead in LEADS for n in SIZES for t in targets]
+def measure(blocks: dict, train: dict, held: dict, targets: list[int], sizes: list[int]) -> list[dict]:
+    rows, layers = [], sorted(blocks)
+    jobs = [(t, lead, n) for lead in LEADS for n in sizes for t in targets]
     for t, lead, n in tqdm(jobs, desc="predictors", unit="fit"):
         i = layers.index(t)
         srcs = [layers[i - lead - d] for d in range(DEPTH)]
@@ -126,10 +126,13 @@ def measure(blocks: dict, train: dict, held: dict, targets: list[int], layers: l
         x3 = np.concatenate([train[s][0][:n] for s in srcs], 1)
         xh3 = np.concatenate([held[s][0] for s in srcs], 1)
         prior3 = np.concatenate([w_gate, np.zeros((x3.shape[1] - w_gate.shape[0] + 1, w_gate.shape[1]))], 0)
+        (w1,), (w3, w3_weak) = ridge(x1, z, prior), ridge(x3, z, prior3, (1.0, 0.01))
         scores = {
             "router": xh1.astype(np.float32) @ w_gate,
-            "ridge": affine(xh1, ridge(x1, z, prior)),
-            "ridge, 3 layers": affine(xh3, ridge(x3, z, prior3)),
+            "ridge": affine(xh1, w1),
+            "ridge, 3 layers": affine(xh3, w3),
+            "ridge, 3 layers, ridge 0.01": affine(xh3, w3_weak),
+            "classifier": fit_classifier(x1, members(z, k))(xh1),
             "classifier, 3 layers": fit_classifier(x3, members(z, k))(xh3),
         }
         for name, s in scores.items():
@@ -142,7 +145,7 @@ def table(rows: list[dict]) -> str:
     head = "| lead | training tokens | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (len(names) + 2)]
     for lead in LEADS:
-        for n in SIZES:
+        for n in dict.fromkeys(r["tokens"] for r in rows):
             cells = []
             for name in names:
                 v = [r["recall"] for r in rows if (r["lead"], r["tokens"], r["predictor"]) == (lead, n, name)]
@@ -155,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path("build/smollm2-moe"))
     parser.add_argument("--targets", default="8,12,16,20,24,29", help="MoE layers predicted (comma-separated)")
+    parser.add_argument("--sizes", default="16384,65536", help="training tokens each predictor is fitted on")
     parser.add_argument("--out", type=Path, default=Path("docs/moe_predictability"))
     args = parser.parse_args()
 
@@ -169,9 +173,10 @@ def main() -> None:
         targets = [int(t) for t in args.targets.split(",")]
         if any(t not in layers or layers.index(t) < max(LEADS) + DEPTH - 1 for t in targets):
             raise M2R2Error(f"--targets must be MoE layers from {layers[max(LEADS) + DEPTH - 1]} on")
+        sizes = [int(n) for n in args.sizes.split(",")]
         train_ids, held_ids = (np.load(p) for p in paths)
-        train, held = collect(lm, blocks, train_ids[: max(SIZES)]), collect(lm, blocks, held_ids)
-        rows = measure(blocks, train, held, targets, layers)
+        train, held = collect(lm, blocks, train_ids[: max(sizes)]), collect(lm, blocks, held_ids)
+        rows = measure(blocks, train, held, targets, [min(n, len(train[targets[0]][1])) for n in sizes])
         args.out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out / "results.json", json.dumps(rows, indent=1))
         text = (
