@@ -56,12 +56,7 @@ class GreedySelection(CostPlanner):
             if t / s <= tokens / seconds:
                 break
             tokens, seconds, n = t, s, n + 1
-        floor = self.floor(draft)  # as the product's selection: only the rule above the floor changes
-        return (
-            Selection(n, tokens, seconds, pi)
-            if floor <= n
-            else Selection(floor, sum(pi[:floor]), self.costs.verify_cost(floor), pi)
-        )
+        return self.at_least_floor(draft, Selection(n, tokens, seconds, pi))  # only the rule above the floor differs
 
 
 class NoShadow(CostPlanner):

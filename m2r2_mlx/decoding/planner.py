@@ -91,8 +91,14 @@ class CostPlanner:
             tokens, seconds = tokens + pi[n], seconds + self.costs.extra(n)
             if tokens / seconds > best.tokens / best.seconds:
                 best = Selection(n + 1, tokens, seconds, pi)
+        return self.at_least_floor(draft, best)
+
+    def at_least_floor(self, draft: Draft, chosen: Selection) -> Selection:
+        """``chosen``, or the floor where that is longer."""
         floor = self.floor(draft)
-        return best if floor <= best.n else Selection(floor, sum(pi[:floor]), self.costs.verify_cost(floor), pi)
+        if floor <= chosen.n:
+            return chosen
+        return Selection(floor, sum(chosen.reach[:floor]), self.costs.verify_cost(floor), chosen.reach)
 
     def drafting_pays(self, chosen: Selection, end: int, limit: int) -> bool:
         """Whether the fast stream drafting after the draft's first ``end`` positions (up to ``limit`` tokens)

@@ -83,7 +83,7 @@ class Speculator:
                 draft_seconds = time.perf_counter() - t0
                 if s.greedy:  # exact for any draft: drop the drafts that did not make verifying them worth it
                     draft = draft.keep(self.planner.plan(draft, replace(request, limit=0)).keep)
-            verified = self.verify_step(cache, draft, s, constraint, rows)  # 4. verify
+            verified = self.verify_step(cache, draft, s, constraint, rows, history.view())  # 4. verify
             accepted, lps = verified.accepted, verified.logprobs
             seconds = time.perf_counter() - tic  # 5. observe
             self.planner.observe(Outcome(draft, accepted, verified.token, seconds, draft_seconds, draft_steps))
@@ -98,12 +98,12 @@ class Speculator:
             ev = events.event(verified.token, plan=status, logprobs=lps[-1] if rows else None)
             yield ev
 
-    def verify_step(self, cache: PromptCache, draft: Draft, s: Sampling, constraint, rows: bool) -> Verified:
+    def verify_step(self, cache: PromptCache, draft: Draft, s: Sampling, constraint, rows: bool, context) -> Verified:
         """One forward of the full model over ``draft``; the cache keeps the accepted prefix, as if it had been
-        decoded token by token."""
-        history = cache.tokens if s.reads_history else ()
+        decoded token by token. ``context``: every token so far, ending with the draft's root."""
+        history = context[:-1][-s.repetition_context_size :].tolist() if s.reads_history else ()  # all it reads
         if constraint is not None:  # just after the root
-            constraint.at([*cache.tokens, draft.tokens[0]])
+            constraint.at(context)
         verified = verify(cache.forward(draft.tokens), draft, s, history, constraint, rows)
         cache.trim(len(draft) - 1 - verified.accepted)
         return verified
