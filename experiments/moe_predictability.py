@@ -32,7 +32,7 @@ from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe.blocks import moe_blocks, top_k
-from m2r2_mlx.moe.lookahead import record_routes
+from m2r2_mlx.moe.lookahead import record_routes, ridge_towards
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,8 +66,7 @@ def ridge(x: np.ndarray, z: np.ndarray, prior: np.ndarray, strengths=(1.0,)) -> 
     one per strength."""
     x = np.concatenate([x.astype(np.float64), np.ones((len(x), 1))], 1)
     xtx, xtz = x.T @ x, x.T @ z
-    scales = [strength * np.trace(xtx) / len(xtx) for strength in strengths]
-    return [np.linalg.solve(xtx + c * np.eye(len(xtx)), xtz + c * prior) for c in scales]
+    return [ridge_towards(xtx, xtz, prior, strength) for strength in strengths]
 
 
 def affine(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -113,6 +113,13 @@ def _pairs(adapters: LookaheadAdapters, routed, ordinal_of: list[int], t: int):
     return x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
 
 
+def ridge_towards(xtx: np.ndarray, xtz: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
+    """Ridge regression's weights from the sums X'X and X'Z, pulled towards ``prior`` with a strength relative to
+    the inputs' energy (their mean squared norm per dimension)."""
+    scale = strength * np.trace(xtx) / len(xtx)
+    return np.linalg.solve(xtx + scale * np.eye(len(xtx)), xtz + scale * prior)
+
+
 def train_lookahead(
     lm,
     ids: np.ndarray,
@@ -151,8 +158,7 @@ def train_lookahead(
     for t in layers:
         g = blocks[t].gate
         prior = np.concatenate([np.array(g.weight.astype(mx.float32)).T, np.zeros((1, g.weight.shape[0]))], 0)
-        scale = ridge * np.trace(xtx[t]) / (d + 1)  # relative to the inputs' energy
-        w = np.linalg.solve(xtx[t] + scale * np.eye(d + 1), xtz[t] + scale * prior)
+        w = ridge_towards(xtx[t], xtz[t], prior, ridge)
         adapters.maps[_key(t)].weight = mx.array(np.ascontiguousarray(w[:-1].T, dtype=np.float32))
         adapters.maps[_key(t)].bias = mx.array(w[-1].astype(np.float32))
     record = {"lead": lead, "ridge": ridge, "train_tokens": int(rows.size), **evaluate(lm, adapters, heldout, seq_len)}
