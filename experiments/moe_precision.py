@@ -1,12 +1,12 @@
 """How precise a predictor the MoE gate needs: the true routes with a share of each layer's experts swapped for
 wrong ones, through the planner, on the macbook device clock (docs/moe_bench.md, "What a predictor must reach").
 
-    python -m experiments.moe_precision [--budgets 25,37.5,50] [--out docs/moe_precision]
+    python -m experiments.moe_precision [--budgets 25,37.5,50] [--lead 3] [--precisions 0.6,...,1] [--out DIR]
 
-A noisy oracle knows each (step, layer)'s true experts 3 MoE layers ahead (into the next token's first layers) and
-names each one with probability ``precision``, else a wrong expert in its place (seeded per step and layer, so
-every run and every request for a layer see the same guess). It costs nothing, as the lookahead maps cost about
-one router matmul a layer. Rows: on-demand LRU, then each precision through the planner (not governed). Two
+A noisy oracle knows each (step, layer)'s true experts ``--lead`` MoE layers ahead (into the next token's first
+layers) and names each one with probability ``precision``, else a wrong expert in its place (seeded per step and
+layer, so every run and every request for a layer see the same guess). It costs nothing, as the lookahead maps cost
+about one router matmul a layer. Rows: on-demand LRU, then each precision through the planner (not governed). Two
 held-out prompts, 23 decode tokens each, the bench's model (build/smollm2-moe); the same figures on every run.
 Writes results.md and precision.png under --out.
 """
@@ -43,11 +43,11 @@ class NoisyOracle(Oracle):
         return [e if rng.random() < self.precision else wrong.pop() for e in true]
 
 
-def _planned(precision: float):
+def _planned(precision: float, lead: int):
     def change(model, cache, predictor, run):
         predictor.detach()
         PrefetchPlanner(PlannerConfig(governed=False)).attach(cache)
-        return model, cache, NoisyOracle(run.traces[0], precision).attach(cache)
+        return model, cache, NoisyOracle(run.traces[0], precision, lead).attach(cache)
 
     return change
 
@@ -55,15 +55,18 @@ def _planned(precision: float):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", default="25,37.5,50")
+    parser.add_argument("--lead", type=int, default=LEAD, help="MoE layers between a prediction and its layer")
+    parser.add_argument("--precisions", default=",".join(f"{p:g}" for p in PRECISIONS))
     parser.add_argument("--out", type=Path, default=Path("docs/moe_precision"))
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
+    precisions = [float(p) for p in args.precisions.split(",")]
     run, rows = short_run(), []
     for budget in budgets:
         lru = measure_changed(run, "lru", budget)
         rows.append((budget, None, lru, lru))
-        for precision in PRECISIONS:
-            row = measure_changed(run, "oracle", budget, _planned(precision))
+        for precision in precisions:
+            row = measure_changed(run, "oracle", budget, _planned(precision, args.lead))
             rows.append((budget, precision, row, lru))
             print(budget, precision, f"{row['tokens_per_s'] / lru['tokens_per_s']:.2f}x", flush=True)
     head = "| budget | predictor | device tokens/s | vs LRU | hit rate | loads/token | stall ms/token | same tokens |"
@@ -76,13 +79,16 @@ def main() -> None:
             f"| {'yes' if row['same_as_resident'] else 'NO'} |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m experiments.moe_precision " + f"--budgets {args.budgets} --out {args.out}"
+    command = (
+        f"python -m experiments.moe_precision --budgets {args.budgets} --lead {args.lead} "
+        f"--precisions {args.precisions} --out {args.out}"
+    )
     atomic_write_text(args.out / "results.md", f"`{command}`\n\n" + "\n".join(lines) + "\n")
-    _plot(rows, args.out / "precision.png")
+    _plot(rows, args.out / "precision.png", args.lead)
     print("\n".join(lines))
 
 
-def _plot(rows, path: Path) -> None:
+def _plot(rows, path: Path, lead: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +106,7 @@ def _plot(rows, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("predictor precision (share of named experts the layer uses)")
     ax.set_ylabel("device tokens/s vs on-demand LRU")
-    ax.set_title("macbook device clock, 3 MoE layers of lead, through the planner")
+    ax.set_title(f"macbook device clock, {lead} MoE layer(s) of lead, through the planner")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

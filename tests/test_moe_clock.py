@@ -7,8 +7,9 @@ import subprocess
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, insitu, offload_experts
+from m2r2_mlx.moe.blocks import moe_blocks
 from m2r2_mlx.moe.clock import DeviceClock, DeviceLink
-from m2r2_mlx.moe.lookahead import LookaheadAdapterPredictor, LookaheadAdapters, train_lookahead
+from m2r2_mlx.moe.lookahead import LookaheadAdapterPredictor, LookaheadAdapters, record_routes, train_lookahead
 from m2r2_mlx.moe.metering import Metering, metered
 from m2r2_mlx.moe.prefetch import DevicePrefetcher
 from m2r2_mlx.moe.profiles import PROFILES
@@ -210,7 +211,7 @@ def test_lookahead_adapters_round_trip_and_predict_across_the_token_boundary(tmp
         train_lookahead(lm, ids, held + vocab, lead=2, seq_len=32, progress=False)
     adapters, record = train_lookahead(lm, ids, held, lead=2, seq_len=32, progress=False)
     assert 0 <= record["recall_adapters"] <= 1 and record["lead"] == 2
-    assert adapters.source(0) == (len(adapters.layers) - 2, -1) and adapters.source(3) == (1, 0)
+    assert adapters.sources(0)[0] == (len(adapters.layers) - 2, -1) and adapters.sources(3)[0] == (1, 0)
     adapters.save(tmp_path, record)
     again = LookaheadAdapters.load(tmp_path)
     saved, loaded = tree_flatten(adapters.parameters()), tree_flatten(again.parameters())
@@ -288,3 +289,38 @@ def test_the_bench_measures_this_machines_profile_when_asked(tmp_path):
     profile = result["device_profile"]
     assert profile["name"] == "here" and profile["memory_gbps"] > 0 and dict(profile["fixed_us"])["load"] >= 0
     assert all(row["device_tokens_per_s"] > 0 and row["tokens_per_s"] > 0 for row in result["rows"])
+
+
+def test_a_lookahead_predictor_reads_the_sources_it_was_fitted_on(tmp_path):
+    """In a decode, each prediction equals the adapters applied to the teacher-forced router inputs of its source
+    layers (this token's and the previous token's), as training pairs them."""
+    lm = tiny_model("olmoe")
+    vocab = lm.config["vocab_size"]
+    ids, held = (np.random.default_rng(1).integers(0, vocab, n) for n in (1024, 256))
+    adapters, _ = train_lookahead(lm, ids, held, lead=1, depth=3, seq_len=32, progress=False)
+    assert adapters.sources(1) == [(0, 0), (len(adapters.layers) - 1, -1), (len(adapters.layers) - 2, -1)]
+    model = tiny_model("olmoe").model
+    store = ExpertStore.export(model, tmp_path / "experts")
+    cache = offload_experts(model, store, 0.5)
+    seen = []
+    cache.prefetch = lambda layer, experts, step=None, scores=None: seen.append((step, layer, scores))
+    LookaheadAdapterPredictor(adapters).attach(cache)
+    out = greedy(model, PROMPT, 10)[0]
+    fed = np.concatenate([PROMPT, out[:-1]])
+    model_ref = tiny_model("olmoe").model
+    blocks = dict(moe_blocks(model_ref))
+    routed = record_routes(model_ref, blocks, fed[None].astype(np.int32))
+    first = min(step for step, _, _ in seen)  # the first decode step's own layers are predicted within it
+    checked = 0
+    for step, layer, scores in seen:
+        position = len(PROMPT) + step - first
+        if position >= len(fed):
+            continue  # the token after the last one fed
+        layers = adapters.layers
+        x = np.concatenate(
+            [routed[layers[o]][0][0, position + offset] for o, offset in adapters.sources(layers.index(layer))]
+        )
+        want = mx.softmax(adapters(layer, mx.array(x[None])), axis=-1)
+        assert np.allclose(scores, np.array(want)[0], atol=1e-4), (step, layer)
+        checked += 1
+    assert checked >= 8 * len(adapters.layers)

@@ -2,14 +2,17 @@
 
 Pre-gating feeds layer l's router input to layer l+1's router: one router matmul a layer, one layer of lead, which
 is too little where one expert's transfer takes two or more layers' compute. A lookahead adapter is a linear map
-per target layer t, from the router input of the MoE layer ``lead`` layers before it to t's router logits:
+per target layer t, from the router inputs of the ``depth`` MoE layers ending ``lead`` layers before it to t's
+router logits:
 
-    logits_t ~ x_(t - lead) @ A_t + b_t          (D x E: the size and cost of one router)
+    logits_t ~ [x_(t - lead), ..., x_(t - lead - depth + 1)] @ A_t + b_t     (depth D x E: ``depth`` routers' cost)
 
-fitted in closed form (ridge regression, towards t's own router, which is pre-gating at that distance) on the
-all-resident model's routing over training text. Targets in the first ``lead`` layers are predicted from the last
-layers of the previous token (the next token's router logits: the loads cross the token boundary), so every layer
-has a whole ``lead`` of layers to load in. The predictor (``LookaheadAdapterPredictor``, registry name
+fitted in closed form (ridge regression, towards t's own router on the nearest source, which is pre-gating at that
+distance) on the all-resident model's routing over training text. Targets in the first layers are predicted from
+the last layers of the previous token (the next token's router logits: the loads cross the token boundary), so
+every layer has a whole ``lead`` of layers to load in. The defaults (2 layers of lead, 3 source layers, a weak
+ridge, 65,536 training tokens) are the most precise linear predictor docs/moe_bench.md measured at a lead the link
+can use (round 7); a classifier did no better. The predictor (``LookaheadAdapterPredictor``, registry name
 ``lookahead``) runs one map a layer and prefetches through the planner.
 
     python -m m2r2_mlx.moe lookahead MODEL [--ids train.npy --heldout heldout.npy]   # MODEL/lookahead.safetensors
@@ -34,7 +37,10 @@ from .cache import ExpertCache
 from .router_target import _Recorder
 
 FILE = "lookahead.safetensors"
-DEFAULT_LEAD = 3
+DEFAULT_LEAD = 2
+DEFAULT_DEPTH = 3
+DEFAULT_RIDGE = 0.01
+DEFAULT_TOKENS = 65536
 
 
 def _key(layer: int) -> str:
@@ -42,20 +48,30 @@ def _key(layer: int) -> str:
 
 
 class LookaheadAdapters(nn.Module):
-    """One linear map per MoE layer t: the router input ``lead`` MoE layers earlier -> t's router logits."""
+    """One linear map per MoE layer t: the router inputs of ``depth`` MoE layers, the nearest ``lead`` layers
+    earlier, side by side -> t's router logits."""
 
-    def __init__(self, layers: list[int], dims: int, experts: int, lead: int = DEFAULT_LEAD):
+    def __init__(
+        self, layers: list[int], dims: int, experts: int, lead: int = DEFAULT_LEAD, depth: int = DEFAULT_DEPTH
+    ):
         super().__init__()
-        if not 1 <= lead < len(layers):
-            raise M2R2Error(f"a lookahead lead must be 1 to {len(layers) - 1} MoE layers, got {lead}")
-        self.layers, self.lead = list(layers), lead
-        self.maps = {_key(t): nn.Linear(dims, experts) for t in layers}  # not digits: MLX reads those as list indices
+        if lead < 1 or depth < 1 or lead + depth > len(layers):
+            raise M2R2Error(
+                f"a lookahead lead ({lead}) and depth ({depth}) must be at least 1 and reach back at most "
+                f"{len(layers)} MoE layers"
+            )
+        self.layers, self.lead, self.depth = list(layers), lead, depth
+        # keys are not digits: MLX reads those as list indices
+        self.maps = {_key(t): nn.Linear(dims * depth, experts) for t in layers}
 
-    def source(self, target_ordinal: int) -> tuple[int, int]:
-        """(source ordinal, token offset): where target ``target_ordinal`` is predicted from (-1: the previous
-        token)."""
-        j = target_ordinal - self.lead
-        return (j, 0) if j >= 0 else (j + len(self.layers), -1)
+    def sources(self, target_ordinal: int) -> list[tuple[int, int]]:
+        """(source ordinal, token offset) of each input of target ``target_ordinal``, nearest first (offset -1: the
+        previous token)."""
+        n = len(self.layers)
+        return [
+            (j % n, -1 if j < 0 else 0)
+            for j in range(target_ordinal - self.lead, target_ordinal - self.lead - self.depth, -1)
+        ]
 
     def __call__(self, target: int, x: mx.array) -> mx.array:
         return self.maps[_key(target)](x)
@@ -63,7 +79,7 @@ class LookaheadAdapters(nn.Module):
     def save(self, folder: Path, record: dict) -> Path:
         path = Path(folder) / FILE
         tensors = {f"{t}.{k}": np.array(v, copy=True) for t, m in self.maps.items() for k, v in m.parameters().items()}
-        meta = {"layers": json.dumps(self.layers), "lead": str(self.lead)}
+        meta = {"layers": json.dumps(self.layers), "lead": str(self.lead), "depth": str(self.depth)}
         atomic_write_bytes(path, safetensors.numpy.save(tensors, metadata=meta))
         atomic_write_text(path.with_suffix(".json"), json.dumps(record, indent=1))
         return path
@@ -75,9 +91,9 @@ class LookaheadAdapters(nn.Module):
             raise M2R2Error(f"no lookahead adapters in {folder}; fit them with python -m m2r2_mlx.moe lookahead MODEL")
         try:
             weights, meta = mx.load(str(path), return_metadata=True)
-            layers, lead = json.loads(meta["layers"]), int(meta["lead"])
+            layers, lead, depth = json.loads(meta["layers"]), int(meta["lead"]), int(meta.get("depth", 1))
             first = weights[f"{_key(layers[0])}.weight"]
-            out = cls(layers, first.shape[1], first.shape[0], lead)
+            out = cls(layers, first.shape[1] // depth, first.shape[0], lead, depth)
             out.load_weights([(f"maps.{k}", v) for k, v in weights.items()])
             mx.eval(out.parameters())  # read now: MLX loads lazily, and the file may change later
         except (KeyError, ValueError, RuntimeError) as e:
@@ -104,13 +120,14 @@ def record_routes(model, blocks: dict[int, nn.Module], ids: np.ndarray) -> dict[
 
 
 def _pairs(adapters: LookaheadAdapters, routed, ordinal_of: list[int], t: int):
-    """(inputs, target logits) for target layer ``t``: the source layer's router input, shifted one token where
-    the source is the previous token's."""
-    j, offset = adapters.source(ordinal_of.index(t))
-    x, z = routed[ordinal_of[j]][0], routed[t][1]
-    if offset:
-        x, z = x[:, :-1], z[:, 1:]
-    return x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
+    """(inputs, target logits) for target layer ``t``: its source layers' router inputs side by side, each read one
+    token earlier where the source is the previous token's (the rows' first tokens are then dropped)."""
+    sources = adapters.sources(ordinal_of.index(t))
+    z = routed[t][1]
+    start = 1 if any(offset for _, offset in sources) else 0
+    xs = [routed[ordinal_of[j]][0][:, start + offset : z.shape[1] + offset] for j, offset in sources]
+    x = np.concatenate(xs, -1)
+    return x.reshape(-1, x.shape[-1]), z[:, start:].reshape(-1, z.shape[-1])
 
 
 def ridge_towards(xtx: np.ndarray, xtz: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
@@ -125,7 +142,8 @@ def train_lookahead(
     ids: np.ndarray,
     heldout: np.ndarray,
     lead: int = DEFAULT_LEAD,
-    ridge: float = 1.0,
+    ridge: float = DEFAULT_RIDGE,
+    depth: int = DEFAULT_DEPTH,
     seq_len: int = 128,
     batch: int = 8,
     progress: bool = True,
@@ -143,31 +161,38 @@ def train_lookahead(
             )
     layers = sorted(blocks)
     gate0 = blocks[layers[0]].gate.weight
-    adapters = LookaheadAdapters(layers, gate0.shape[1], gate0.shape[0], lead)
+    adapters = LookaheadAdapters(layers, gate0.shape[1], gate0.shape[0], lead, depth)
     rows = ids.reshape(-1)[: ids.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)
-    d = gate0.shape[1]
+    d = gate0.shape[1] * depth
     xtx = {t: np.zeros((d + 1, d + 1)) for t in layers}
     xtz = {t: np.zeros((d + 1, gate0.shape[0])) for t in layers}
     for b in tqdm(range(0, len(rows), batch), desc="lookahead adapters", unit="batch", disable=not progress):
         routed = record_routes(lm.model, blocks, rows[b : b + batch])
         for t in layers:
             x, z = _pairs(adapters, routed, layers, t)
-            x = np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1).astype(np.float64)
+            x = np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1)  # float32 products, float64 sums
             xtx[t] += x.T @ x
             xtz[t] += x.T @ z
     for t in layers:
         g = blocks[t].gate
-        prior = np.concatenate([np.array(g.weight.astype(mx.float32)).T, np.zeros((1, g.weight.shape[0]))], 0)
+        router = np.array(g.weight.astype(mx.float32)).T  # on the nearest source; the others start at zero
+        prior = np.concatenate([router, np.zeros((d + 1 - len(router), router.shape[1]))], 0)
         w = ridge_towards(xtx[t], xtz[t], prior, ridge)
         adapters.maps[_key(t)].weight = mx.array(np.ascontiguousarray(w[:-1].T, dtype=np.float32))
         adapters.maps[_key(t)].bias = mx.array(w[-1].astype(np.float32))
-    record = {"lead": lead, "ridge": ridge, "train_tokens": int(rows.size), **evaluate(lm, adapters, heldout, seq_len)}
+    record = {
+        "lead": lead,
+        "depth": depth,
+        "ridge": ridge,
+        "train_tokens": int(rows.size),
+        **evaluate(lm, adapters, heldout, seq_len),
+    }
     return adapters, record
 
 
 def evaluate(lm, adapters: LookaheadAdapters, heldout: np.ndarray, seq_len: int = 128) -> dict:
-    """Held-out top-k recall: the adapters at their lead, the target's router at the same lead (pre-gating that
-    far ahead) and at one layer (pre-gating)."""
+    """Held-out top-k recall: the adapters at their lead (the mean, and per target layer), the target's router at
+    the same lead (pre-gating that far ahead) and at one layer (pre-gating)."""
     blocks = dict(moe_blocks(lm.model))
     layers = sorted(blocks)
     rows = heldout.reshape(-1)[: heldout.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)[:8]
@@ -176,20 +201,22 @@ def evaluate(lm, adapters: LookaheadAdapters, heldout: np.ndarray, seq_len: int 
     for i, t in enumerate(layers):
         k = top_k(blocks[t])
         x, z = _pairs(adapters, routed, layers, t)
+        dims = x.shape[-1] // adapters.depth
         true = np.argsort(-z, -1)[:, :k]
         picks = {
             "adapters": np.array(adapters(t, mx.array(x))),
-            "router_same_lead": np.array(blocks[t].gate(mx.array(x))),
+            "router_same_lead": np.array(blocks[t].gate(mx.array(x[:, :dims]))),
         }
         if i > 0:
-            prev = routed[layers[i - 1]][0].reshape(-1, x.shape[-1])
+            prev = routed[layers[i - 1]][0].reshape(-1, dims)
             picks["pregating_next_layer"] = np.array(blocks[t].gate(mx.array(prev)))
             true_here = np.argsort(-routed[t][1].reshape(-1, z.shape[-1]), -1)[:, :k]
         for name, logits in picks.items():
             ref = true_here if name == "pregating_next_layer" else true
             pick = np.argsort(-logits, -1)[:, :k]
             recall[name].append(np.mean([len(set(p) & set(r)) / k for p, r in zip(pick, ref)]))
-    return {f"recall_{k}": float(np.mean(v)) for k, v in recall.items()}
+    out = {f"recall_{k}": float(np.mean(v)) for k, v in recall.items()}
+    return {**out, "recall_adapters_by_layer": [round(float(r), 4) for r in recall["adapters"]]}
 
 
 class LookaheadAdapterPredictor(ListeningPredictor):
@@ -199,6 +226,9 @@ class LookaheadAdapterPredictor(ListeningPredictor):
     def __init__(self, adapters: LookaheadAdapters):
         super().__init__()
         self.adapters = adapters
+        # the latest router input seen at each MoE ordinal: this token's below the layer computing now, the previous
+        # token's from it on, which is what every source of the next target reads
+        self._inputs: dict[int, mx.array] = {}
 
     def attach(self, cache: ExpertCache) -> "LookaheadAdapterPredictor":
         if cache.layers != self.adapters.layers:
@@ -210,24 +240,35 @@ class LookaheadAdapterPredictor(ListeningPredictor):
 
     def on_layer(self, layer: int, x: mx.array) -> None:
         cache = self.cache
+        ordinal = cache.ordinal(layer)
+        self._inputs[ordinal] = x[-1:]
         if x.shape[0] != 1:
-            return  # a prompt's pass loads on demand
-        n, j = len(cache.layers), cache.ordinal(layer) + self.adapters.lead
+            return  # a prompt's pass loads on demand; its last token is the first decode step's previous one
+        n, j = len(cache.layers), ordinal + self.adapters.lead
         step, target = cache.step + j // n, cache.layers[j % n]
-        if cache.planner is not None and not cache.planner.wants(target):
+        sources = [self._inputs.get(o) for o, _ in self.adapters.sources(j % n)]
+        if any(s is None for s in sources) or (cache.planner is not None and not cache.planner.wants(target)):
             return
+        x = sources[0] if len(sources) == 1 else mx.concatenate(sources, axis=-1)
         probs = mx.softmax(self.adapters(target, x).astype(mx.float32), axis=-1)
         experts, scores = top_scored(np.array(probs)[0], cache.top_k(target))
         cache.prefetch(target, experts, step=step, scores=scores)
 
 
 def ensure_lookahead(lm, folder: Path, progress: bool = True) -> LookaheadAdapters:
-    """The model folder's lookahead adapters, fitted first (seconds) on its train.npy where missing."""
+    """The model folder's lookahead adapters, fitted first (minutes) on its train.npy where missing. Adapters fitted
+    with another lead or depth than the defaults are refused, not replaced: the bench's row is named for these."""
     folder = Path(folder)
     if not (folder / FILE).is_file():
         train, held = folder / "train.npy", folder / "heldout.npy"
         if not train.is_file() or not held.is_file():
             raise M2R2Error(f"{folder} has no lookahead adapters and no train.npy/heldout.npy to fit them on")
-        adapters, record = train_lookahead(lm, np.load(train)[:16384], np.load(held), progress=progress)
+        adapters, record = train_lookahead(lm, np.load(train)[:DEFAULT_TOKENS], np.load(held), progress=progress)
         adapters.save(folder, record)
-    return LookaheadAdapters.load(folder)
+    adapters = LookaheadAdapters.load(folder)
+    if (adapters.lead, adapters.depth) != (DEFAULT_LEAD, DEFAULT_DEPTH):
+        raise M2R2Error(
+            f"{folder / FILE} holds lookahead adapters of lead {adapters.lead} and depth {adapters.depth}, not "
+            f"{DEFAULT_LEAD} and {DEFAULT_DEPTH}; refit them: python -m m2r2_mlx.moe lookahead {folder}"
+        )
+    return adapters

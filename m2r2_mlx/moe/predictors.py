@@ -18,7 +18,7 @@ from .baselines import NoPrediction, Oracle, PreGating, ShuffledControl
 from .cache import ExpertCache
 from .fast_predictor import FastStreamPredictor
 from .fused_predictor import FusedPredictor
-from .lookahead import DEFAULT_LEAD, LookaheadAdapterPredictor, LookaheadAdapters
+from .lookahead import DEFAULT_DEPTH, DEFAULT_LEAD, LookaheadAdapterPredictor, LookaheadAdapters
 
 
 @runtime_checkable
@@ -77,9 +77,10 @@ PREDICTORS: dict[str, PredictorEntry] = {
         ),
         PredictorEntry(
             "lookahead",
-            f"lookahead adapters ({DEFAULT_LEAD} layers ahead), planned",
-            f"a router-sized linear map per layer from the residual {DEFAULT_LEAD} MoE layers earlier (across the "
-            "token boundary); planned (fitted to the model: python -m m2r2_mlx.moe lookahead MODEL)",
+            f"lookahead adapters ({DEFAULT_LEAD} layers ahead, {DEFAULT_DEPTH} read), planned",
+            f"a linear map per layer from the router inputs of {DEFAULT_DEPTH} MoE layers, the nearest "
+            f"{DEFAULT_LEAD} earlier (across the token boundary); planned (fitted to the model: python -m "
+            "m2r2_mlx.moe lookahead MODEL)",
             lambda i: LookaheadAdapterPredictor(i.lookahead),
             needs_lookahead=True,
             planned=True,
