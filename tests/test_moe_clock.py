@@ -324,3 +324,10 @@ def test_a_lookahead_predictor_reads_the_sources_it_was_fitted_on(tmp_path):
         assert np.allclose(scores, np.array(want)[0], atol=1e-4), (step, layer)
         checked += 1
     assert checked >= 8 * len(adapters.layers)
+
+
+def test_lookahead_sources_reach_back_one_token_at_most():
+    adapters = LookaheadAdapters([0, 1, 2, 3], 8, 4, lead=2, depth=3)
+    assert adapters.sources(0) == [(2, -1), (1, -1), (0, -1)] and adapters.sources(3) == [(1, 0), (0, 0), (3, -1)]
+    with pytest.raises(M2R2Error, match="at most 4 MoE layers"):
+        LookaheadAdapters([0, 1, 2, 3], 8, 4, lead=2, depth=4)
