@@ -9,7 +9,13 @@ from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, insitu, offload_experts
 from m2r2_mlx.moe.blocks import moe_blocks
 from m2r2_mlx.moe.clock import DeviceClock, DeviceLink
-from m2r2_mlx.moe.lookahead import LookaheadAdapterPredictor, LookaheadAdapters, record_routes, train_lookahead
+from m2r2_mlx.moe.lookahead import (
+    LookaheadAdapterPredictor,
+    LookaheadAdapters,
+    LookaheadFit,
+    record_routes,
+    train_lookahead,
+)
 from m2r2_mlx.moe.metering import Metering, metered
 from m2r2_mlx.moe.prefetch import DevicePrefetcher
 from m2r2_mlx.moe.profiles import PROFILES
@@ -208,8 +214,8 @@ def test_lookahead_adapters_round_trip_and_predict_across_the_token_boundary(tmp
     vocab = lm.config["vocab_size"]
     ids, held = rng.integers(0, vocab, 1024), rng.integers(0, vocab, 512)
     with pytest.raises(M2R2Error, match="outside the model's vocabulary of 101"):
-        train_lookahead(lm, ids, held + vocab, lead=2, seq_len=32, progress=False)
-    adapters, record = train_lookahead(lm, ids, held, lead=2, seq_len=32, progress=False)
+        train_lookahead(lm, ids, held + vocab, LookaheadFit(lead=2, seq_len=32), progress=False)
+    adapters, record = train_lookahead(lm, ids, held, LookaheadFit(lead=2, seq_len=32), progress=False)
     assert 0 <= record["recall_adapters"] <= 1 and record["lead"] == 2
     assert adapters.sources(0)[0] == (len(adapters.layers) - 2, -1) and adapters.sources(3)[0] == (1, 0)
     adapters.save(tmp_path, record)
@@ -297,7 +303,7 @@ def test_a_lookahead_predictor_reads_the_sources_it_was_fitted_on(tmp_path):
     lm = tiny_model("olmoe")
     vocab = lm.config["vocab_size"]
     ids, held = (np.random.default_rng(1).integers(0, vocab, n) for n in (1024, 256))
-    adapters, _ = train_lookahead(lm, ids, held, lead=1, depth=3, seq_len=32, progress=False)
+    adapters, _ = train_lookahead(lm, ids, held, LookaheadFit(lead=1, depth=3, seq_len=32), progress=False)
     assert adapters.sources(1) == [(0, 0), (len(adapters.layers) - 1, -1), (len(adapters.layers) - 2, -1)]
     model = tiny_model("olmoe").model
     store = ExpertStore.export(model, tmp_path / "experts")

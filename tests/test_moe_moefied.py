@@ -263,9 +263,10 @@ def test_with_random_predictions_the_planner_is_lru_within_3_percent(folder, sto
     tokens, seconds, s, decisions, _, _ = _decode(folder, store, budget, ShuffledControl(seed=0))
     assert tokens == lru_tokens
     loaded = decisions["loaded"]
-    assert loaded <= max(1, 0.01 * decisions["considered"]) and s.total("prefetch_loads") == loaded
-    # a load decided at the prior, before any prediction was scored (the governor's first probe, timed on the wall
-    # clock), may displace one expert that LRU kept: each such load moves at most one miss and two transfers
+    assert loaded <= max(3, 0.01 * decisions["considered"]) and s.total("prefetch_loads") == loaded
+    # the hit rate is read at its mean, so a guess or two that happened to hit early may load before the counts
+    # show chance (the governor's first probe, timed on the wall clock): each such load may displace one expert
+    # that LRU kept, moving at most one miss and two transfers
     assert abs(s.misses - lru.misses) <= loaded
     assert abs(s.bytes_moved - lru.bytes_moved) <= 2 * loaded * store.expert_bytes()
     compute = lru_s - lru.stall_s

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import M2R2Error, run_cli
 from ..models.registry import load_model
-from .lookahead import DEFAULT_DEPTH, DEFAULT_LEAD, DEFAULT_RIDGE, DEFAULT_TOKENS, train_lookahead
+from .lookahead import DEFAULT_FIT, LookaheadFit, train_lookahead
 from .router_adapters import RouterAdaptersSpec, train_router_adapters
 from .router_target import RouterTargetConfig
 from .store import ExpertStore
@@ -53,10 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("model", type=Path, help="an MoE model folder (the adapters are written into it)")
     k.add_argument("--ids", type=Path, default=None, help="training token ids (.npy; default MODEL/train.npy)")
     k.add_argument("--heldout", type=Path, default=None, help="held-out ids (.npy; default MODEL/heldout.npy)")
-    k.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="most training tokens read")
-    k.add_argument("--lead", type=int, default=DEFAULT_LEAD, help="MoE layers between prediction and use")
-    k.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="source layers each map reads")
-    k.add_argument("--ridge", type=float, default=DEFAULT_RIDGE, help="pull towards the target's own router")
+    k.add_argument("--tokens", type=int, default=DEFAULT_FIT.tokens, help="most training tokens read")
+    k.add_argument("--lead", type=int, default=DEFAULT_FIT.lead, help="MoE layers between prediction and use")
+    k.add_argument("--depth", type=int, default=DEFAULT_FIT.depth, help="source layers each map reads")
+    k.add_argument("--ridge", type=float, default=DEFAULT_FIT.ridge, help="pull towards the target's own router")
     return p
 
 
@@ -78,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not path.is_file():
                     raise M2R2Error(f"{path} not found; pass --ids and --heldout token ids (.npy)")
             lm = load_model(str(args.model), tokenizer=False)
-            adapters, record = train_lookahead(
-                lm, np.load(ids)[: args.tokens], np.load(held), args.lead, args.ridge, args.depth
-            )
+            fit = LookaheadFit(lead=args.lead, depth=args.depth, ridge=args.ridge, tokens=args.tokens)
+            adapters, record = train_lookahead(lm, np.load(ids), np.load(held), fit)
             print(f"{adapters.save(args.model, record)}: {json.dumps(record)}")
             return
         if args.command == "adapters":

@@ -21,6 +21,7 @@ can use (round 7); a classifier did no better. The predictor (``LookaheadAdapter
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,10 +38,21 @@ from .cache import ExpertCache
 from .router_target import _Recorder
 
 FILE = "lookahead.safetensors"
-DEFAULT_LEAD = 2
-DEFAULT_DEPTH = 3
-DEFAULT_RIDGE = 0.01
-DEFAULT_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class LookaheadFit:
+    """How lookahead adapters are fitted (the defaults: see the module docstring)."""
+
+    lead: int = 2  # MoE layers between the nearest source and the target
+    depth: int = 3  # source layers each map reads
+    ridge: float = 0.01  # pull towards the target's own router, relative to the inputs' energy
+    tokens: int = 65536  # most training tokens read
+    seq_len: int = 128
+    batch: int = 8  # rows of seq_len routed at once
+
+
+DEFAULT_FIT = LookaheadFit()
 
 
 def _key(layer: int) -> str:
@@ -52,7 +64,7 @@ class LookaheadAdapters(nn.Module):
     earlier, side by side -> t's router logits."""
 
     def __init__(
-        self, layers: list[int], dims: int, experts: int, lead: int = DEFAULT_LEAD, depth: int = DEFAULT_DEPTH
+        self, layers: list[int], dims: int, experts: int, lead: int = DEFAULT_FIT.lead, depth: int = DEFAULT_FIT.depth
     ):
         super().__init__()
         if lead < 1 or depth < 1 or lead >= len(layers) or lead + depth - 1 > len(layers):
@@ -138,18 +150,11 @@ def ridge_towards(xtx: np.ndarray, xtz: np.ndarray, prior: np.ndarray, strength:
 
 
 def train_lookahead(
-    lm,
-    ids: np.ndarray,
-    heldout: np.ndarray,
-    lead: int = DEFAULT_LEAD,
-    ridge: float = DEFAULT_RIDGE,
-    depth: int = DEFAULT_DEPTH,
-    seq_len: int = 128,
-    batch: int = 8,
-    progress: bool = True,
+    lm, ids: np.ndarray, heldout: np.ndarray, fit: LookaheadFit = DEFAULT_FIT, progress: bool = True
 ) -> tuple[LookaheadAdapters, dict]:
-    """Fit lookahead adapters on ``ids`` (token ids) by ridge regression towards each target's own router; the
-    record holds held-out top-k recall beside pre-gating's at the same lead and at one layer."""
+    """Fit lookahead adapters on the first ``fit.tokens`` of ``ids`` (token ids) by ridge regression towards each
+    target's own router; the record holds held-out top-k recall beside pre-gating's at the same lead and at one
+    layer."""
     blocks = dict(moe_blocks(lm.model))
     if not blocks or any(not isinstance(b.gate, nn.Linear) or top_k(b) is None for b in blocks.values()):
         raise M2R2Error("lookahead adapters need a mixture-of-experts model with linear top-k routers")
@@ -161,13 +166,14 @@ def train_lookahead(
             )
     layers = sorted(blocks)
     gate0 = blocks[layers[0]].gate.weight
-    adapters = LookaheadAdapters(layers, gate0.shape[1], gate0.shape[0], lead, depth)
-    rows = ids.reshape(-1)[: ids.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)
-    d = gate0.shape[1] * depth
+    adapters = LookaheadAdapters(layers, gate0.shape[1], gate0.shape[0], fit.lead, fit.depth)
+    ids, seq_len = ids.reshape(-1)[: fit.tokens], fit.seq_len
+    rows = ids[: ids.size // seq_len * seq_len].astype(np.int32).reshape(-1, seq_len)
+    d = gate0.shape[1] * fit.depth
     xtx = {t: np.zeros((d + 1, d + 1)) for t in layers}
     xtz = {t: np.zeros((d + 1, gate0.shape[0])) for t in layers}
-    for b in tqdm(range(0, len(rows), batch), desc="lookahead adapters", unit="batch", disable=not progress):
-        routed = record_routes(lm.model, blocks, rows[b : b + batch])
+    for b in tqdm(range(0, len(rows), fit.batch), desc="lookahead adapters", unit="batch", disable=not progress):
+        routed = record_routes(lm.model, blocks, rows[b : b + fit.batch])
         for t in layers:
             x, z = _pairs(adapters, routed, layers, t)
             x = np.concatenate([x, np.ones((len(x), 1), x.dtype)], 1)  # float32 products, float64 sums
@@ -177,13 +183,13 @@ def train_lookahead(
         g = blocks[t].gate
         router = np.array(g.weight.astype(mx.float32)).T  # on the nearest source; the others start at zero
         prior = np.concatenate([router, np.zeros((d + 1 - len(router), router.shape[1]))], 0)
-        w = ridge_towards(xtx[t], xtz[t], prior, ridge)
+        w = ridge_towards(xtx[t], xtz[t], prior, fit.ridge)
         adapters.maps[_key(t)].weight = mx.array(np.ascontiguousarray(w[:-1].T, dtype=np.float32))
         adapters.maps[_key(t)].bias = mx.array(w[-1].astype(np.float32))
     record = {
-        "lead": lead,
-        "depth": depth,
-        "ridge": ridge,
+        "lead": fit.lead,
+        "depth": fit.depth,
+        "ridge": fit.ridge,
         "train_tokens": int(rows.size),
         **evaluate(lm, adapters, heldout, seq_len),
     }
@@ -263,12 +269,12 @@ def ensure_lookahead(lm, folder: Path, progress: bool = True) -> LookaheadAdapte
         train, held = folder / "train.npy", folder / "heldout.npy"
         if not train.is_file() or not held.is_file():
             raise M2R2Error(f"{folder} has no lookahead adapters and no train.npy/heldout.npy to fit them on")
-        adapters, record = train_lookahead(lm, np.load(train)[:DEFAULT_TOKENS], np.load(held), progress=progress)
+        adapters, record = train_lookahead(lm, np.load(train), np.load(held), progress=progress)
         adapters.save(folder, record)
     adapters = LookaheadAdapters.load(folder)
-    if (adapters.lead, adapters.depth) != (DEFAULT_LEAD, DEFAULT_DEPTH):
+    if (adapters.lead, adapters.depth) != (DEFAULT_FIT.lead, DEFAULT_FIT.depth):
         raise M2R2Error(
             f"{folder / FILE} holds lookahead adapters of lead {adapters.lead} and depth {adapters.depth}, not "
-            f"{DEFAULT_LEAD} and {DEFAULT_DEPTH}; refit them: python -m m2r2_mlx.moe lookahead {folder}"
+            f"{DEFAULT_FIT.lead} and {DEFAULT_FIT.depth}; refit them: python -m m2r2_mlx.moe lookahead {folder}"
         )
     return adapters

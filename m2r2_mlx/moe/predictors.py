@@ -18,7 +18,7 @@ from .baselines import NoPrediction, Oracle, PreGating, ShuffledControl
 from .cache import ExpertCache
 from .fast_predictor import FastStreamPredictor
 from .fused_predictor import FusedPredictor
-from .lookahead import DEFAULT_DEPTH, DEFAULT_LEAD, LookaheadAdapterPredictor, LookaheadAdapters
+from .lookahead import DEFAULT_FIT, LookaheadAdapterPredictor, LookaheadAdapters
 
 
 @runtime_checkable
@@ -77,9 +77,9 @@ PREDICTORS: dict[str, PredictorEntry] = {
         ),
         PredictorEntry(
             "lookahead",
-            f"lookahead adapters ({DEFAULT_LEAD} layers ahead, {DEFAULT_DEPTH} read), planned",
-            f"a linear map per layer from the router inputs of {DEFAULT_DEPTH} MoE layers, the nearest "
-            f"{DEFAULT_LEAD} earlier (across the token boundary); planned (fitted to the model: python -m "
+            f"lookahead adapters ({DEFAULT_FIT.lead} layers ahead, {DEFAULT_FIT.depth} read), planned",
+            f"a linear map per layer from the router inputs of {DEFAULT_FIT.depth} MoE layers, the nearest "
+            f"{DEFAULT_FIT.lead} earlier (across the token boundary); planned (fitted to the model: python -m "
             "m2r2_mlx.moe lookahead MODEL)",
             lambda i: LookaheadAdapterPredictor(i.lookahead),
             needs_lookahead=True,
