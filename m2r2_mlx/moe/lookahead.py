@@ -67,10 +67,10 @@ class LookaheadAdapters(nn.Module):
         self, layers: list[int], dims: int, experts: int, lead: int = DEFAULT_FIT.lead, depth: int = DEFAULT_FIT.depth
     ):
         super().__init__()
-        if lead < 1 or depth < 1 or lead >= len(layers) or lead + depth - 1 > len(layers):
+        if lead < 1 or depth < 1 or lead + depth - 1 > len(layers):
             raise M2R2Error(  # a source may lie in the previous token, not further back
-                f"a lookahead lead ({lead}) and depth ({depth}) must be at least 1, the lead under "
-                f"{len(layers)} and their reach (lead + depth - 1) at most {len(layers)} MoE layers"
+                f"a lookahead lead ({lead}) and depth ({depth}) must be at least 1, and their reach "
+                f"(lead + depth - 1) at most {len(layers)} MoE layers"
             )
         self.layers, self.lead, self.depth = list(layers), lead, depth
         # keys are not digits: MLX reads those as list indices
