@@ -27,7 +27,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm.auto import tqdm
 
-from experiments.moe_planner_gap import MODEL, measure_changed, short_run
+from experiments.moe_planner_gap import MODEL, _no_planner, measure_changed, short_run
 
 FIRST = 3  # MoE layers given their true routes
 TOKENS = 16384
@@ -59,11 +59,6 @@ def fitted(lm, folder: Path, ids: np.ndarray, fit: LookaheadFit) -> LookaheadAda
 
 def _pessimistic(model, cache, predictor, run):
     cache.planner.hits.mean = cache.planner.hits.pessimistic  # select() and wants() read it
-    return model, cache, predictor
-
-
-def _no_planner(model, cache, predictor, run):
-    cache.planner.detach()
     return model, cache, predictor
 
 
