@@ -1,19 +1,18 @@
-"""The benchmark MoE, built when `m2r2-bench --moe` finds it missing: the MoEfied SmolLM2 and its router-trained
-M2R2 adapters, from text the package ships.
+"""The benchmark MoE, built when `m2r2-bench --moe` finds it missing: the MoEfied SmolLM2, its lookahead maps and
+its router-trained M2R2 adapters, from text the package ships; only what the requested rows need.
 
-    python -m m2r2_bench.moe_bench_build                     # build/smollm2-moe and build/smollm2-moe-m2r2
+    python -m m2r2_bench.moe_bench_build [--adapters]        # build/smollm2-moe (and build/smollm2-moe-m2r2)
 
-Two steps, each written atomically (a folder appears complete or not at all), each skipped when its result is
-there, so an interrupted build resumes where it stopped and is never read as complete:
+Three steps, each written atomically (a file or folder appears complete or not at all), each skipped when its
+result is there, so an interrupted build resumes where it stopped and is never read as complete:
 
-1. the model (m2r2_tools.moefy): SmolLM2's FFNs cut into 16 experts, top-4, learnt from Spec-Bench's question
-   turns (bench/data/question.jsonl, shipped with m2r2-bench: 137k tokens of prose, code and maths), with the
-   packaged SmolLM2 adapters re-keyed beside it;
-2. the adapters: those re-keyed adapters trained further on the router target (m2r2_mlx/moe/router_target.py),
-   so that their exits predict the routing of the layers above them. The folder records the held-out recall.
-
-The build is complete when the model folder holds moefy.json and the adapters' m2r2_config.json records its
-router-target training.
+1. the model (m2r2_tools.moefy, 12 minutes here): SmolLM2's FFNs cut into 16 experts, top-4, learnt from Spec-Bench's
+   question turns (bench/data/question.jsonl, shipped with m2r2-bench: 137k tokens of prose, code and maths), with
+   the packaged SmolLM2 adapters re-keyed beside it;
+2. the lookahead maps (m2r2_mlx/moe/lookahead.py, 11 minutes), for the ``lookahead`` row;
+3. the adapters (14 minutes), for the fast-stream rows only: the re-keyed adapters trained further on the router
+   target (m2r2_mlx/moe/router_target.py), so that their exits predict the routing of the layers above them. The
+   folder records the held-out recall.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.core.config import M2R2Config
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.moe.lookahead import FILE as LOOKAHEAD_FILE
+from m2r2_mlx.moe.lookahead import ensure_lookahead
 from m2r2_mlx.moe.router_adapters import RouterAdaptersSpec, train_router_adapters
 from m2r2_mlx.moe.router_target import RouterTargetConfig
 
@@ -42,9 +43,12 @@ COMMAND = f"{PROG} -o {DEFAULT_MODEL}"
 
 @dataclass(frozen=True)
 class BenchModelBuild:
-    """What the build makes; the defaults are the benchmark model's (tests build a slice)."""
+    """What the build makes; the defaults are the benchmark model's (tests build a slice). ``lookahead`` and
+    ``adapters``: whether the rows to run need the lookahead maps and the M2R2 adapters."""
 
     out: Path = DEFAULT_MODEL
+    lookahead: bool = True
+    adapters: bool = False
     layers: int | None = None  # MoEfy only the first N layers (a slice: new adapters, gates every layers // 2)
     experts: int = 16
     top_k: int = 4
@@ -56,7 +60,7 @@ class BenchModelBuild:
     adapter_seq_len: int = 128
 
     @property
-    def adapters(self) -> Path:
+    def adapters_folder(self) -> Path:
         return self.out.with_name(self.out.name + "-m2r2")
 
 
@@ -64,15 +68,24 @@ def model_built(build: BenchModelBuild) -> bool:
     return (build.out / "moefy.json").is_file() and (build.out / "train.npy").is_file()
 
 
+def lookahead_built(build: BenchModelBuild) -> bool:
+    return (build.out / LOOKAHEAD_FILE).is_file()
+
+
 def adapters_built(build: BenchModelBuild) -> bool:
     try:
-        return "router_target" in M2R2Config.load(build.adapters).extra
+        return "router_target" in M2R2Config.load(build.adapters_folder).extra
     except M2R2Error:
         return False
 
 
 def is_built(build: BenchModelBuild) -> bool:
-    return model_built(build) and adapters_built(build)
+    """Whether every step the build asks for is done."""
+    return (
+        model_built(build)
+        and (lookahead_built(build) or not build.lookahead)
+        and (adapters_built(build) or not build.adapters)
+    )
 
 
 def shipped_text(folder: Path) -> Path:
@@ -102,7 +115,7 @@ def _build(build: BenchModelBuild, progress: bool) -> dict:
     text = shipped_text(build.out.parent)
     if not model_built(build):
         start = time.perf_counter()
-        say(f"building the benchmark MoE in {build.out} (once; step 1 of 2: MoEfication)", progress)
+        say(f"building the benchmark MoE in {build.out} (once; MoEfication, about 12 minutes)", progress)
         moefy(
             MoefyConfig(
                 out=build.out,
@@ -115,19 +128,25 @@ def _build(build: BenchModelBuild, progress: bool) -> dict:
                 router_steps=build.router_steps,
                 train_ids=build.adapter_tokens,
                 adapters=PACKAGED_ADAPTERS if build.layers is None else None,
-                adapters_out=build.adapters,
+                adapters_out=build.adapters_folder,
                 evaluate=False,  # a minute of the build; `python -m m2r2_tools.moefy` measures the quality
                 force=True,
             )
         )
         took["model_s"] = time.perf_counter() - start
-    if not adapters_built(build):
+    if build.lookahead and not lookahead_built(build):
         start = time.perf_counter()
-        say(f"step 2 of 2: M2R2 adapters trained on its routing, into {build.adapters}", progress)
+        say(f"the lookahead maps, into {build.out / LOOKAHEAD_FILE} (once; about 11 minutes)", progress)
+        ensure_lookahead(load_model(str(build.out), tokenizer=False), build.out, progress=progress)
+        took["lookahead_s"] = time.perf_counter() - start
+    if build.adapters and not adapters_built(build):
+        start = time.perf_counter()
+        say(f"M2R2 adapters trained on its routing, into {build.adapters_folder} (once; about 14 minutes)", progress)
         lm = load_model(str(build.out))
-        warm = build.adapters if (build.adapters / "m2r2_config.json").is_file() else None
+        adapters = build.adapters_folder
+        warm = adapters if (adapters / "m2r2_config.json").is_file() else None
         spec = RouterAdaptersSpec(
-            out=build.adapters,
+            out=adapters,
             ids=build.out / "train.npy",
             heldout=build.out / "heldout.npy",
             init=warm,
@@ -156,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("-o", "--out", type=Path, default=DEFAULT_MODEL, help="model folder (adapters: OUT-m2r2)")
     p.add_argument("--layers", type=int, default=None, help="MoEfy only the first N layers (a quick slice)")
+    p.add_argument("--adapters", action="store_true", help="also train the M2R2 adapters (the fast-stream rows)")
     p.add_argument("--adapter-steps", type=int, default=BenchModelBuild.adapter_steps)
     return p
 
@@ -164,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> None:
-        build = BenchModelBuild(out=args.out, layers=args.layers, adapter_steps=args.adapter_steps)
+        build = BenchModelBuild(
+            out=args.out, layers=args.layers, adapters=args.adapters, adapter_steps=args.adapter_steps
+        )
         if is_built(build):
-            print(f"{build.out} and {build.adapters} are built")
+            print(f"{build.out} is built")
             return
         took = build_model(build)
-        print(f"built {build.out} and {build.adapters} in {sum(took.values()) / 60:.1f} min")
+        print(f"built {build.out} in {sum(took.values()) / 60:.1f} min")
 
     return run_cli(PROG, body)
 

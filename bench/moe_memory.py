@@ -11,8 +11,9 @@ the end, and reports the peak above that start, with MLX's own peak allocation w
 after loading). Rows:
 - whole: loaded eagerly, every expert resident (what the model costs without a budget);
 - budget, eager load: loaded whole first and offloaded afterwards (how --memory-budget worked before);
-- budget, lazy load: what --memory-budget does now: weights read when used, experts straight to the store.
-"Expected" is the dense part plus the budget's share of the experts.
+- budget, lazy load: what --memory-budget does now: weights read when used, experts straight to the store, read
+  back with direct reads (the page cache out of the way) into the loader's buffers.
+"Expected" is the dense part plus the budget's share of the experts plus the read buffers.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ CONFIG = dict(
 EXPLAINED = """- whole: loaded eagerly, every expert resident; budget, eager load: loaded whole, then offloaded (how
   --memory-budget worked before); budget, lazy load: what it does now (weights read when used, each layer's experts
   written to the store and released before the next is read).
-- Anonymous memory is what the process itself holds (RssAnon); file pages mapped from the weights or the expert
-  store are page cache the kernel can drop. Expected = the dense part + the budget's share of the experts; what the
+- Anonymous memory is what the process itself holds (RssAnon); file pages mapped from the weights are page cache
+  the kernel can drop, and experts are read around the page cache (direct reads). Expected = the dense part + the
+  budget's share of the experts + the read buffers (one per slot of a layer and one per reader thread); what the
   lazy load holds above it is one layer's experts while exporting, activations and allocator slack.
 - MLX's peak is read while decoding only (generate resets it after loading)."""
 LOADINGS = ("whole", "eager+budget", "lazy+budget")
@@ -138,6 +140,8 @@ def child(mode: str, folder: str, budget: str, tokens: int) -> dict:
     out["tokens"] = [ev.token for ev in generate(lm.model, lm.tokenizer, prompt, GenerationConfig(tokens))]
     if cache is not None:
         out["hit_rate"] = cache.stats.hit_rate
+        out["buffers"] = cache.loader.buffer_bytes
+        out["direct"] = cache.loader.direct
         cache.close()
     out["rss_peak"] = rss.stop()
     out["mlx_peak"] = mx.get_peak_memory()
@@ -172,11 +176,14 @@ def measure(mode: str, folder: Path, budget: str, tokens: int, home: Path) -> di
 
 def table(rows: list[dict], size: dict, share: float) -> str:
     mb = 1e6
-    expected = size["dense"] + share * size["experts"]
+    buffers = max((r.get("buffers", 0) for r in rows), default=0)
+    expected = size["dense"] + share * size["experts"] + buffers
+    direct = all(r.get("direct", True) for r in rows)
     lines = [
         f"test MoE: dense part {size['dense'] / mb:.0f} MB, experts {size['experts'] / mb:.0f} MB; budget "
-        f"{share:.0%} of the experts = {share * size['experts'] / mb:.0f} MB; expected with the budget (dense + "
-        f"budget) {expected / mb:.0f} MB",
+        f"{share:.0%} of the experts = {share * size['experts'] / mb:.0f} MB; read buffers {buffers / mb:.1f} MB; "
+        f"expected with the budget (dense + budget + buffers) {expected / mb:.0f} MB; experts read "
+        f"{'around the page cache (direct reads)' if direct else 'through the page cache (direct reads refused)'}",
         "",
         "| run | peak anonymous memory above the start (MB) | / expected | MLX peak decoding (MB) | / expected | "
         "hit rate | same tokens |",

@@ -1,5 +1,5 @@
-"""One row of `m2r2-bench --moe`: a method at a budget, decoded on the wall clock or a device clock (moe_bench.py
-runs the rows and writes the report)."""
+"""One row of `m2r2-bench --moe`: a method at a budget, decoded on the wall clock (this machine, experts read from
+its disk) or a device clock (modelled); moe_bench.py runs the rows and writes the report."""
 
 from __future__ import annotations
 
@@ -11,36 +11,39 @@ from typing import TYPE_CHECKING
 import m2r2_mlx  # noqa: F401  (fast BLAS before mlx)
 from m2r2_mlx.core.adapters import load_adapters
 from m2r2_mlx.models.registry import load_model
-from m2r2_mlx.moe import CacheStats, ExpertStore, Oracle, offload_experts
+from m2r2_mlx.moe import CacheStats, ExpertStore, IOConfig, offload_experts
 from m2r2_mlx.moe.clock import Clock, WallClock
-from m2r2_mlx.moe.lookahead import ensure_lookahead
+from m2r2_mlx.moe.lookahead import LookaheadAdapters
 from m2r2_mlx.moe.metering import metered
-from m2r2_mlx.moe.predictors import PREDICTORS
-from m2r2_mlx.moe.prefetch import DevicePrefetcher, Prefetcher
-from m2r2_mlx.moe.serve import attach_predictor
+from m2r2_mlx.moe.predictors import PREDICTORS, PredictorInputs
+from m2r2_mlx.moe.profiles import DeviceProfile
+from m2r2_mlx.moe.serve import offload_with_predictor
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from .moe_controls import CONTROLS, FutureRoutes, Oracle
+
 if TYPE_CHECKING:
     from .moe_bench import MoEBenchConfig
 
+ROWS = {**PREDICTORS, **CONTROLS}  # the predictor rows: the product's and the controls
 # offline bounds from the true routes (recorded by the first cached row of the same prompts): they run last
 BOUNDS = ("belady", "oracle")
 ORACLE_LOOKAHEAD = 4  # MoE layers the true-routes prefetch runs ahead (into the next token's first layers)
-DEVICE_KEYS = ("tokens_per_s", "stall_ms_per_token", "hit_rate", "loads_per_token", "mb_per_token", "decode_s")
 
 
 @dataclass
 class BenchRun:
-    """What every row of one run shares: the config, the expert store, the prompts, the all-resident tokens each
-    row is checked against (filled by the resident row) and each prompt's routes (recorded by the first cached
-    row, replayed by the bound rows)."""
+    """What every row of one run shares: the config, the expert store, the prompts, the device profile (None: the
+    wall clock), the all-resident tokens each row is checked against (filled by the resident row) and each prompt's
+    routes (recorded by the first cached row, replayed by the bound rows)."""
 
     config: MoEBenchConfig
     store: ExpertStore
     prompts: list[np.ndarray]
+    device: DeviceProfile | None = None
     reference: dict[int, list[int]] = field(default_factory=dict)
     traces: list[dict] = field(default_factory=list)
 
@@ -56,61 +59,78 @@ def greedy(model, prompt: np.ndarray, n: int, on_prefilled=None, clock: Clock = 
     for _ in range(n - 1):
         logits = model(mx.array([[tok]]), cache=cache)
         tok = int(mx.argmax(logits[0, -1]).item())
-        if clock.modelled:
-            clock.sync()  # the token read back
+        clock.sync()  # the token read back
         out.append(tok)
     return out, clock.now() - start
 
 
-def setup(run: BenchRun, method: str, budget: float, link, clock: Clock):
-    """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor)."""
-    config = run.config
+def setup(run: BenchRun, method: str, budget: float, clock: Clock):
+    """A freshly loaded model with this method's cache and predictor; returns (model, cache, predictor, future)."""
+    config, store = run.config, run.store
     lm = load_model(config.model, tokenizer=False)  # token ids in, token ids out
     if method == "resident":
-        return lm.model, None, None
-    cache = offload_experts(lm.model, run.store, budget / 100, policy=config.policy, link=link, clock=clock)
-    if method == "belady":
-        return lm.model, cache, attach_predictor(cache, "none")
-    if method == "oracle":
-        oracle = Oracle(run.traces[0], lookahead=ORACLE_LOOKAHEAD)
-        (DevicePrefetcher if clock.modelled else Prefetcher)(cache)
-        return lm.model, cache, oracle.attach(cache)
-    name = "none" if method == "lru" else method
-    m2r2 = load_adapters(lm, config.adapters) if PREDICTORS[name].needs_adapters else None
-    lookahead = ensure_lookahead(lm, Path(config.model)) if PREDICTORS[name].needs_lookahead else None
-    return lm.model, cache, attach_predictor(cache, name, m2r2, config.m2r2_intervals, lookahead=lookahead)
+        return lm.model, None, None, None
+    args = dict(clock=clock, io=IOConfig(config.io))
+    if run.device is not None:
+        args["device_scale"] = run.device.device_scale(store.expert_weights(), store.expert_bytes())
+    if method in BOUNDS:
+        future = FutureRoutes()
+        if method == "belady":
+            cache, predictor = offload_with_predictor(
+                lm.model, store, budget / 100, ROWS["none"], policy=future.policy, **args
+            )
+        else:
+            cache = offload_experts(lm.model, store, budget / 100, policy=future.policy, **args)
+            predictor = Oracle(run.traces[0], lookahead=ORACLE_LOOKAHEAD).attach(cache)
+        future.follow(cache)
+        return lm.model, cache, predictor, future
+    entry = ROWS["none" if method == "lru" else method]
+    inputs = PredictorInputs(
+        m2r2=load_adapters(lm, config.adapters) if entry.needs_adapters else None,
+        lookahead=LookaheadAdapters.load(Path(config.model)) if entry.needs_lookahead else None,
+    )
+    cache, predictor = offload_with_predictor(
+        lm.model, store, budget / 100, entry, inputs, policy=config.policy, **args
+    )
+    return lm.model, cache, predictor, None
 
 
-def measure(run: BenchRun, method: str, budget: float, link, clock: str = "wall") -> dict:
+def measure(run: BenchRun, method: str, budget: float) -> dict:
     """One row: decode tokens/s and the cache's counters over the run's prompts, tokens checked against the
-    resident row's. ``clock``: "wall" (``link`` throttles by sleeping) or "device" (the config's device profile,
-    modelled)."""
-    device = run.config.device if clock == "device" else None
-    timer = device.clock() if device else WallClock()
-    if device:
-        link = device.device_link(timer, run.store.expert_weights(), run.store.expert_bytes())
-    parts = setup(run, method, budget, link, timer)
-    pricing = device.metering(run.store.expert_weights(), parts[0].args.hidden_size) if device else None
-    with metered(timer, pricing) if device else nullcontext():
-        return _decode(run, method, budget, parts, timer)
+    resident row's, on the run's clock (the device profile's where it has one)."""
+    device = run.device
+    clock = device.clock() if device else WallClock()
+    model, cache, predictor, future = setup(run, method, budget, clock)
+    try:
+        pricing = device.metering(run.store.expert_weights(), model.args.hidden_size) if device else None
+        own = predictor.own_modules() if predictor is not None else []
+        with metered(clock, pricing, model, *own) if device else nullcontext():
+            return _decode(run, method, budget, (model, cache, predictor, future), clock)
+    finally:
+        if cache is not None:
+            cache.close()
 
 
-def _decode(run: BenchRun, method: str, budget: float, parts, timer: Clock) -> dict:
-    model, cache, predictor = parts
+def _decode(run: BenchRun, method: str, budget: float, parts, clock: Clock) -> dict:
+    model, cache, predictor, future = parts
     record = cache is not None and not run.traces
     if method == "oracle":  # the warm-up's text is not the trace's: its true routes are unknown
         predictor.trace = {}
+    if future is not None:
+        future.set({})
     greedy(model, run.prompts[0][:8], 4)  # warm-up: compile paths, fill the cache's slots
     fast = predictor is not None and predictor.fast_layer_passes is not None
-    p_i = 0
+    p_i, reads = 0, [0, 0.0]  # bytes read and the reads' busy seconds, decode steps only
+    marks = []
 
     def measure_from_here():  # after each prompt's prefill: count decode steps only
         if cache:
             cache.reset()
+            marks.append((cache.loader.bytes, cache.loader.busy_s))
             if record:
                 cache.trace = {}
-            if method in BOUNDS:
-                cache.set_future(run.traces[p_i])
+            if future is not None:
+                future.set(run.traces[p_i])
             if method == "oracle":
                 predictor.trace = run.traces[p_i]
         if fast:
@@ -118,7 +138,7 @@ def _decode(run: BenchRun, method: str, budget: float, parts, timer: Clock) -> d
 
     stats, passes, tokens, seconds, same = CacheStats(), 0, 0, [], True
     for p_i, prompt in enumerate(run.prompts):
-        out, dt = greedy(model, prompt, run.config.max_tokens, on_prefilled=measure_from_here, clock=timer)
+        out, dt = greedy(model, prompt, run.config.max_tokens, on_prefilled=measure_from_here, clock=clock)
         if record:
             run.traces.append(dict(cache.trace))
         if method == "resident":
@@ -128,6 +148,8 @@ def _decode(run: BenchRun, method: str, budget: float, parts, timer: Clock) -> d
         tokens += len(out) - 1
         if cache:
             stats.add(cache.stats)
+            reads[0] += cache.loader.bytes - marks[-1][0]
+            reads[1] += cache.loader.busy_s - marks[-1][1]
         if fast:
             passes += predictor.fast_layer_passes
     row = {
@@ -144,27 +166,14 @@ def _decode(run: BenchRun, method: str, budget: float, parts, timer: Clock) -> d
             precision=stats.precision if stats.total("predicted") else None,
             recall=stats.recall if stats.total("used_when_predicted") else None,
             mb_per_token=stats.bytes_per_token / 1e6,
+            read_gbps=reads[0] / reads[1] / 1e9 if reads[1] else None,
             loads_per_token=stats.loads_per_token,
             stall_ms_per_token=1e3 * stats.stall_per_token_s,
+            cancelled_per_token=stats.prefetch_dropped / max(1, stats.tokens),
             slots=f"{min(cache.slots_per_layer.values())}/{cache.num_experts(cache.layers[0])}",
         )
         if fast:
             row["fast_layer_passes_per_token"] = passes / max(1, stats.tokens)
         if cache.planner is not None and cache.planner.governor is not None:
             row["governor"] = cache.planner.governor.summary()  # the predictor's measured cost and savings
-        cache.close()
-    return row
-
-
-def measure_row(run: BenchRun, method: str, budget: float, link) -> dict:
-    """One method at one budget on each of the config's clocks: the device clock's figures as ``device_*`` (and
-    its counters where the wall clock does not run), the wall clock's under the plain names."""
-    rows = {c: measure(run, method, budget, link, c) for c in run.config.clocks}
-    row = dict(rows.get("wall") or {**rows["device"], "tokens_per_s": None, "stall_ms_per_token": None})
-    if "device" in rows:
-        row.update({f"device_{k}": rows["device"][k] for k in DEVICE_KEYS if k in rows["device"]})
-        row["same_as_resident"] = all(r["same_as_resident"] for r in rows.values())
-        for k in ("precision", "recall", "governor", "fast_layer_passes_per_token"):
-            if k in rows["device"]:
-                row[f"device_{k}"] = rows["device"][k]
     return row

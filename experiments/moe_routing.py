@@ -148,7 +148,7 @@ def _main() -> int:
         help="held-out token ids (.npy) in the model's vocabulary",
     )
     ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path("m2r2-bench-results/moe_routing"))
     args = ap.parse_args()
     if not args.tokens.is_file():
         raise M2R2Error(

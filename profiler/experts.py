@@ -1,5 +1,5 @@
 """An expert cache's work over one decode, per token: loads, the time the forward pass stalled on them, and the
-time the link was busy (on-demand loads and background prefetches, overlapped with compute or not)."""
+time its reads from the disk were under way (on-demand loads and prefetches, overlapped with compute or not)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ class ExpertWork:
     misses: int
     hits: int
     stall_s: float
-    link_busy_s: float
-    link_bytes: int
+    read_busy_s: float
+    read_bytes: int
 
     def per_token(self) -> dict:
         n = max(self.tokens, 1)
@@ -22,16 +22,16 @@ class ExpertWork:
             "tokens": self.tokens,
             "loads_per_token": self.loads / n,
             "stall_ms_per_token": 1e3 * self.stall_s / n,
-            "link_busy_ms_per_token": 1e3 * self.link_busy_s / n,
-            "mb_per_token": self.link_bytes / n / 1e6,
+            "read_busy_ms_per_token": 1e3 * self.read_busy_s / n,
+            "mb_per_token": self.read_bytes / n / 1e6,
             "hit_rate": self.hits / max(self.hits + self.misses, 1),
         }
 
 
 def begin(cache) -> tuple[float, int]:
-    """Zero the cache's counters (its resident experts stay) and note the link's, which keep counting."""
+    """Zero the cache's counters (its resident experts stay) and note its loader's, which keep counting."""
     cache.reset()
-    return cache.link.busy_s, cache.link.bytes
+    return cache.loader.busy_s, cache.loader.bytes
 
 
 def work(cache, start: tuple[float, int]) -> ExpertWork:
@@ -42,6 +42,6 @@ def work(cache, start: tuple[float, int]) -> ExpertWork:
         s.misses,
         s.hits,
         s.stall_s,
-        cache.link.busy_s - start[0],
-        cache.link.bytes - start[1],
+        cache.loader.busy_s - start[0],
+        cache.loader.bytes - start[1],
     )

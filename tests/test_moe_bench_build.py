@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from m2r2_bench import moe_bench_build
-from m2r2_bench.moe_bench import MoEBenchConfig, run
+from m2r2_bench.moe_bench import DEFAULT_METHODS, MoEBenchConfig, build_for, run
 from m2r2_bench.moe_bench_build import (
     COMMAND,
     BenchModelBuild,
@@ -25,9 +25,12 @@ from m2r2_bench.moe_bench_build import (
 
 
 def tiny(folder: Path) -> BenchModelBuild:
-    """Two MoEfied layers of 8 experts (top-2), learnt from a little of the shipped text; 2 adapter steps."""
+    """Two MoEfied layers of 8 experts (top-2), learnt from a little of the shipped text; 2 adapter steps (no
+    lookahead maps: two layers are too few for their reach)."""
     return BenchModelBuild(
         out=folder / "moe",
+        lookahead=False,
+        adapters=True,
         layers=2,
         experts=8,
         top_k=2,
@@ -43,6 +46,13 @@ def tiny(folder: Path) -> BenchModelBuild:
 def test_the_shipped_text_is_enough_for_the_default_build(tmp_path):
     text = shipped_text(tmp_path).read_text()
     assert text.count("\n\n") > 500 and len(text) > 500_000  # Spec-Bench's turns: ~137k SmolLM2 tokens
+
+
+def test_the_build_makes_only_what_the_rows_need():
+    default = build_for(DEFAULT_METHODS)
+    assert default.lookahead and not default.adapters  # the fast-stream adapters (14 minutes) only for their rows
+    assert build_for(("resident", "lru", "fast-fused")).adapters
+    assert not build_for(("resident", "lru", "pregating-planned", "belady")).lookahead
 
 
 def test_a_missing_prompt_file_names_the_build_command(tmp_path):
@@ -63,7 +73,7 @@ def test_an_interrupted_build_is_not_read_as_complete_and_resumes(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         build_model(build, progress=False)
     assert model_built(build) and not adapters_built(build) and not is_built(build)
-    assert not build.adapters.exists()
+    assert not build.adapters_folder.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folder left behind
     # a folder left by a killed process (atomic_folder's temporary sibling) is not the adapters folder either
     (tmp_path / ".moe-m2r2.x1y2").mkdir()
@@ -74,7 +84,7 @@ def test_an_interrupted_build_is_not_read_as_complete_and_resumes(tmp_path, monk
     took = build_model(build, progress=False)
     assert set(took) == {"adapters_s"} and is_built(build)  # only the missing step ran
     assert (build.out / "model.safetensors").stat().st_mtime_ns == stamp
-    record = M2R2Config.load(build.adapters).extra["router_target"]
+    record = M2R2Config.load(build.adapters_folder).extra["router_target"]
     assert record["after"]["recall_next_interval"] > 0 and len(record["loss"]) == 2
 
 
@@ -85,8 +95,8 @@ def test_the_bench_builds_a_missing_model_first(tmp_path):
     build = tiny(tmp_path)
     config = MoEBenchConfig(
         model=str(build.out),
-        adapters=str(build.adapters),
-        methods=("resident", "lru", "pregating-planned", "m2r2-fused"),
+        adapters=str(build.adapters_folder),
+        methods=("resident", "lru", "pregating-planned", "fast-fused"),
         budgets=(50.0,),
         num_prompts=1,
         prompt_tokens=8,

@@ -3,17 +3,12 @@
 import json
 import os
 import shutil
-import time
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import (
     CacheStats,
     ExpertStore,
-    Link,
-    Oracle,
-    Prefetcher,
     PreGating,
-    ShuffledControl,
     make_policy,
     moe_blocks,
     offload_experts,
@@ -29,6 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from m2r2_bench.moe_controls import Oracle, ShuffledControl
 from tests.tiny import tiny_model
 
 PROMPT = list(range(3, 23))  # 20 tokens: the prompt needs more distinct experts than a 25% budget has slots
@@ -142,28 +138,6 @@ def _write_keeping_mtime(path, data: bytes) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_flipped_byte_is_detected_before_use(stores, tmp_path):
-    folder = _copy(stores["olmoe"][0], tmp_path)
-    entry = json.loads((folder / "experts.json").read_text())["layers"][0]
-    offset = entry["experts"][5]["offset"] + 1234
-    data = bytearray((folder / entry["file"]).read_bytes())
-    data[offset] ^= 0x01
-    _write_keeping_mtime(folder / entry["file"], bytes(data))
-    store = ExpertStore.open(folder)  # sizes, mtimes and header are intact: only the read can tell
-    store.read(0, 4)
-    with pytest.raises(M2R2Error, match="expert 5 of layer 0 .* fails its checksum"):
-        store.read(0, 5)
-    _, cache = offloaded("olmoe", {"olmoe": (store, None)}, 0.25)  # warm start holds experts 0 and 1
-    with pytest.raises(M2R2Error, match="expert 5 of layer 0"):
-        cache.ensure(0, [5])
-    assert not cache.is_resident(0, 5)
-    with Prefetcher(cache):  # a damaged prefetch surfaces in the forward pass, not in the thread
-        cache.prefetch(0, [5], step=cache.step + 1)
-        with pytest.raises(M2R2Error, match="expert 5 of layer 0"):
-            cache.ensure(0, [5])
-    assert not cache.is_resident(0, 5)
-
-
 def test_altered_header_and_missing_manifest_are_refused(stores, tmp_path):
     folder = _copy(stores["olmoe"][0], tmp_path)
     path = folder / "layer_001.safetensors"
@@ -200,30 +174,13 @@ def test_bytes_moved_equal_misses_times_expert_bytes(stores):
     greedy(model)
     s = cache.stats
     expert = stores["mixtral"][0].expert_bytes()
-    assert s.misses > 0 and s.bytes_moved == s.misses * expert == cache.link.bytes
+    assert s.misses > 0 and s.bytes_moved == s.misses * expert == cache.loader.bytes
     assert all(l.bytes_on_demand == l.misses * expert for l in s.layers.values())
     assert s.tokens == len(PROMPT) + 9 and s.steps == 10
     assert s.bytes_per_token == pytest.approx(s.bytes_moved / s.tokens)
     assert s.summary()["layers"][3]["misses"] == s.layers[3].misses
     s.reset()
     assert s.hits == s.misses == s.bytes_moved == s.tokens == 0 and s.stall_s == 0
-
-
-def test_throttled_link_makes_transfers_at_least_bytes_over_bandwidth(stores):
-    link = Link(gb_per_s=0.01, latency_ms=2)  # 10 MB/s
-    assert link.min_seconds(50_000) == pytest.approx(0.007)
-    start = time.perf_counter()
-    with link.transfer(50_000):
-        pass
-    assert time.perf_counter() - start >= 0.007
-    model, cache = offloaded("olmoe", stores, 0.5, link=Link(gb_per_s=0.5, latency_ms=1))
-    greedy(model, n=3)
-    per_load = cache.link.min_seconds(stores["olmoe"][0].expert_bytes())
-    assert cache.stats.misses > 0 and cache.stats.stall_s >= cache.stats.misses * per_load
-    assert cache.link.busy_s >= cache.link.transfers * per_load
-    for bad in ({"gb_per_s": 0}, {"latency_ms": -1}):
-        with pytest.raises(M2R2Error, match="link"):
-            Link(**bad)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -241,8 +198,8 @@ def test_routers_pick_the_experts_the_blocks_use(stores, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_background_pregating_is_exact_and_prefetches_what_is_used(stores, arch):
-    model, cache = offloaded(arch, stores, 0.5, link=Link(gb_per_s=1.0))
-    with Prefetcher(cache):
+    model, cache = offloaded(arch, stores, 0.5)
+    with cache:
         PreGating().attach(cache)
         assert greedy(model) == stores[arch][1]
     s = cache.stats

@@ -54,7 +54,7 @@ def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
-def test_m2r2_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_path):
+def test_fast_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_path):
     """The predictor's layer taps must not break LoRA adapters the decoder loads (names inside layers)."""
     from m2r2_mlx.core.adapters import new_m2r2, save_adapters
     from m2r2_mlx.models.registry import load_model
@@ -72,10 +72,10 @@ def test_m2r2_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_p
         "--memory-budget",
         "50%",
         "--expert-predictor",
-        "m2r2",
+        "fast",
         "--adapters",
         str(tmp_path / "lora"),
-        "--mode",
+        "--method",
         "speculative",
         home=tmp_path,
     )

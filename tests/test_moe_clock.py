@@ -8,7 +8,7 @@ import subprocess
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, insitu, offload_experts
 from m2r2_mlx.moe.blocks import moe_blocks
-from m2r2_mlx.moe.clock import DeviceClock, DeviceLink
+from m2r2_mlx.moe.clock import DeviceClock
 from m2r2_mlx.moe.lookahead import (
     LookaheadAdapterPredictor,
     LookaheadAdapters,
@@ -17,7 +17,6 @@ from m2r2_mlx.moe.lookahead import (
     train_lookahead,
 )
 from m2r2_mlx.moe.metering import Metering, metered
-from m2r2_mlx.moe.prefetch import DevicePrefetcher
 from m2r2_mlx.moe.profiles import PROFILES
 
 import mlx.core as mx
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from m2r2_bench.moe_controls import FutureRoutes
 from m2r2_bench.moe_rows import greedy
 from tests.test_moe_ahead_of_time import EXE, PROMPT, _tiny_olmoe_folder
 from tests.tiny import tiny_model
@@ -65,17 +65,16 @@ def store(tmp_path_factory):
     return ExpertStore.export(tiny_model("olmoe").model, tmp_path_factory.mktemp("store") / "experts")
 
 
-def device_cache(store, budget=0.25, link_scale=None):
+def device_cache(store, budget=0.25, **cache):
+    """A cache on the device clock() in which every expert moves 1 MB."""
     c = clock()
     nbytes = store.expert_bytes(0)
-    link = DeviceLink(c, 1e6 / nbytes if link_scale is None else link_scale)  # every expert moves 1 MB
-    cache = offload_experts(tiny_model("olmoe").model, store, budget, link=link, clock=c)
-    return cache, c, nbytes
+    built = offload_experts(tiny_model("olmoe").model, store, budget, clock=c, device_scale=1e6 / nbytes, **cache)
+    return built, c, nbytes
 
 
 def test_prefetches_arrive_in_order_and_a_late_one_stalls_exactly_until_it_lands(store):
     cache, c, nbytes = device_cache(store)
-    DevicePrefetcher(cache)
     land = c.op_seconds(2e6, 0)  # an arrived expert's copy into its slot
     x = mx.zeros((1, 64))
     cache.begin_layer(0, x, [0])
@@ -97,23 +96,27 @@ def test_prefetches_arrive_in_order_and_a_late_one_stalls_exactly_until_it_lands
     before = c.now()
     cache.ensure(1, [7])  # on demand: the channel is idle, so one transfer and its landing
     assert c.now() == pytest.approx(before + T_LINK + land) and cache.stats.layer(1).misses == 1
-    assert cache.link.transfers == 3 and c.link_busy == pytest.approx(3 * T_LINK)
+    assert cache.loader.reads == 3 and c.link_busy == pytest.approx(3 * T_LINK)
 
 
-def test_a_prefetch_for_a_layer_already_passed_is_dropped_unread(store):
+def test_a_load_on_demand_goes_ahead_and_an_unneeded_queued_prefetch_is_cancelled_unread(store):
     cache, c, _ = device_cache(store)
-    DevicePrefetcher(cache)
+    land = c.op_seconds(2e6, 0)
     x = mx.zeros((1, 64))
     cache.begin_layer(0, x, [0])
-    cache.prefetch(0, [2, 3], step=cache.step + 1)  # with the next, the channel is busy for 4 transfers
-    cache.prefetch(2, [2, 3])
-    cache.prefetch(1, [6])  # queued behind them: the channel would start it at t0 + 4T
-    cache.begin_layer(1, x, [0])
-    cache.ensure(1, [0])
-    cache.begin_layer(2, x, [0])  # by then the pass has gone past layer 1
+    t0 = c.now()
+    cache.prefetch(0, [2, 3], step=cache.step + 1)  # the next step's layer 0: 2 on the channel now, 3 queued
+    cache.prefetch(1, [6, 7])  # queued behind them
+    cache.begin_layer(1, x, [7])  # the pass reaches layer 1 needing 7, not 6: 6 is cancelled while queued
+    assert cache.stats.prefetch_dropped == 1 and not cache.in_flight(1, 6) and cache.in_flight(1, 7)
+    cache.ensure(1, [7])  # 7 goes on the channel next, ahead of the prefetch of 3 queued before it
+    # it arrives at t0 + 2T, then lands with 2 (arrived at t0 + T); 3 is on the channel until t0 + 3T
+    assert c.now() == pytest.approx(t0 + 2 * T_LINK + 2 * land) and cache.stats.layer(1).late_prefetches == 1
+    assert c.link_free == pytest.approx(t0 + 3 * T_LINK)
     c.op(5 * T_LINK * 1e9)
+    cache.begin_layer(2, x, [0])
     cache.ensure(2, [0])
-    assert cache.link.transfers == 4 and cache.stats.prefetch_dropped == 1
+    assert cache.loader.reads == 3 and cache.loader.cancelled == 1  # 2, 7 and 3: never 6
 
 
 def misses(cache, routes) -> int:
@@ -147,17 +150,17 @@ def test_belady_makes_the_fewest_misses_any_eviction_can(store, seed):
     routes = {(s, 0): sorted(rng.choice(8, size=2, replace=False, p=weights).tolist()) for s in range(14)}
     counts = {}
     for policy in ("lru", "belady"):
-        cache, _, _ = device_cache(store, 0.5)  # 4 slots of 8, holding 0-3
+        future = FutureRoutes()
+        cache, _, _ = device_cache(store, 0.5, policy=future.policy if policy == "belady" else "lru")  # 4 of 8: 0-3
+        future.follow(cache)
+        future.set(routes)
         cache.reset()
-        if policy == "belady":
-            cache.set_future(routes)
         counts[policy] = misses(cache, routes)
     assert counts["belady"] == optimum([0, 1, 2, 3], 4, routes) <= counts["lru"]
 
 
 def test_a_load_on_demand_never_evicts_a_predicted_expert_while_an_unpredicted_one_is_resident(store):
-    cache, _, _ = device_cache(store, 0.25)  # 2 slots holding 0 and 1; 0 is the least recent
-    PrefetchPlanner().attach(cache)
+    cache, _, _ = device_cache(store, 0.25, planner=PrefetchPlanner())  # 2 slots holding 0 and 1; 0 the least recent
     cache.tokens_now = 1
     cache.prefetch(0, [0], step=cache.step + 1)  # predicted (resident: no load)
     cache.ensure(0, [5])
@@ -175,7 +178,7 @@ def test_metering_charges_each_projection_at_the_device_bytes_per_weight():
     charged = {}
     for name, wb in (("as held", None), ("4-bit", 0.5625)):
         c = DeviceClock(bandwidth=1e9, flops=1e18, launch=0, sync=0, link_bandwidth=1, link_latency=0)
-        with metered(c, Metering(weight_bytes=wb, other_kernels=0)):
+        with metered(c, Metering(weight_bytes=wb, other_kernels=0), model):
             mx.eval(model(mx.array([[3, 17]])))
         charged[name] = c.now() * 1e9  # bytes: 1 GB/s and free FLOPs
     assert 0 < charged["4-bit"] < charged["as held"] / 4 < weights * 1.1
@@ -184,7 +187,7 @@ def test_metering_charges_each_projection_at_the_device_bytes_per_weight():
 def test_every_profile_builds_a_clock_and_the_device_ones_keep_their_ratio():
     for p in PROFILES.values():
         assert p.clock().now() == 0.0
-    assert PROFILES["cpu"].ratio is None
+    assert PROFILES["here"].ratio is None
     assert 2.0 < PROFILES["macbook"].ratio < 2.6 and 2.5 < PROFILES["pcie-gpu"].ratio < 3.0
 
 
@@ -197,15 +200,17 @@ def test_the_device_clock_reproduces_itself_exactly(tmp_path):
         out = tmp_path / run
         cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
         cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2"]
-        cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--profile", "macbook", "--clock", "device"]
-        cmd += ["--methods", "lru,pregating-planned,m2r2-fused,oracle", "--out", str(out)]
+        cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--profile", "macbook"]
+        cmd += ["--methods", "lru,pregating-planned,fast-fused,oracle", "--out", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
-        results.append(json.loads((out / "moe_bench.json").read_text())["rows"])
-    keys = ("device_tokens_per_s", "device_stall_ms_per_token", "device_hit_rate", "device_loads_per_token")
+        run, *rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+        assert run["run"]["clock"] == "device"
+        results.append(rows)
+    keys = ("tokens_per_s", "stall_ms_per_token", "hit_rate", "loads_per_token")
     figures = [[tuple(row.get(k) for k in keys) for row in rows] for rows in results]
     assert figures[0] == figures[1]
-    assert all(row["tokens_per_s"] is None and row["device_tokens_per_s"] > 0 for row in results[0])
+    assert all(row["tokens_per_s"] > 0 and row["same_as_resident"] for row in results[0])
 
 
 def test_lookahead_adapters_round_trip_and_predict_across_the_token_boundary(tmp_path):
@@ -261,8 +266,9 @@ def test_a_projection_is_charged_as_a_matmul():
     c = DeviceClock(
         bandwidth=1e18, flops=1e18, launch=0, sync=0, link_bandwidth=1, link_latency=0, fixed={"matmul": 1e-3}
     )
-    with metered(c, Metering(other_kernels=0)):
-        mx.eval(nn.Linear(8, 8)(mx.zeros((1, 8))))
+    model = nn.Sequential(nn.Linear(8, 8))
+    with metered(c, Metering(other_kernels=0), model):
+        mx.eval(model(mx.zeros((1, 8))))
     assert c.now() == pytest.approx(1e-3)
 
 
@@ -288,13 +294,13 @@ def test_the_bench_measures_this_machines_profile_when_asked(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
     cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
     cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50", "--num-prompts", "2", "--prompt-tokens", "8"]
-    cmd += ["--max-tokens", "6", "--profile", "here", "--methods", "resident,lru", "--out", str(tmp_path / "out")]
+    cmd += ["--max-tokens", "6", "--clock", "device", "--methods", "resident,lru", "--out", str(tmp_path / "out")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads((tmp_path / "out" / "moe_bench.json").read_text())
-    profile = result["device_profile"]
+    run, *rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    profile = run["run"]["device_profile"]
     assert profile["name"] == "here" and profile["memory_gbps"] > 0 and dict(profile["fixed_us"])["load"] >= 0
-    assert all(row["device_tokens_per_s"] > 0 and row["tokens_per_s"] > 0 for row in result["rows"])
+    assert profile["link_gbps"] > 0 and all(row["tokens_per_s"] > 0 for row in rows)
 
 
 def test_a_lookahead_predictor_reads_the_sources_it_was_fitted_on(tmp_path):

@@ -2,20 +2,12 @@
 nothing (the cache is on-demand LRU, counter for counter); true routes load ahead and hide most of LRU's loads;
 prefetches never evict the current token's experts nor what predictions name; tokens never change."""
 
-from m2r2_mlx.moe import (
-    ExpertStore,
-    Link,
-    Oracle,
-    PlannerConfig,
-    Prefetcher,
-    PrefetchPlanner,
-    ShuffledControl,
-    offload_experts,
-)
+from m2r2_mlx.moe import ExpertStore, PlannerConfig, PrefetchPlanner, offload_experts
 
 import numpy as np
 import pytest
 
+from m2r2_bench.moe_controls import Oracle, ShuffledControl
 from m2r2_bench.moe_rows import greedy
 from tests.tiny import tiny_model
 
@@ -36,10 +28,8 @@ def reference():
 def run(store, budget, predictor=None, planned=False, record=False, governed=True):
     """(tokens, the cache's stats, the planner, the trace) of one greedy run."""
     lm = tiny_model("olmoe")
-    cache = offload_experts(lm.model, store, budget, link=Link(2.0, 0.02))
-    if predictor is not None:
-        Prefetcher(cache)
-    planner = PrefetchPlanner(PlannerConfig(governed=governed)).attach(cache) if planned else None
+    planner = PrefetchPlanner(PlannerConfig(governed=governed)) if planned else None
+    cache = offload_experts(lm.model, store, budget, planner=planner)
     if predictor is not None:
         predictor.attach(cache)
     if record:
@@ -82,8 +72,8 @@ def test_true_routes_load_ahead_and_hide_most_of_lrus_loads(store, reference, bu
 
 def test_a_prefetch_spares_named_and_current_experts(store):
     lm = tiny_model("olmoe")
-    cache = offload_experts(lm.model, store, 0.25)  # 2 slots per layer, experts 0 and 1 resident
-    planner = PrefetchPlanner().attach(cache)
+    planner = PrefetchPlanner()
+    cache = offload_experts(lm.model, store, 0.25, planner=planner)  # 2 slots per layer, experts 0 and 1 resident
     greedy(lm.model, PROMPT, 3, on_prefilled=cache.reset)
     layer, resident = cache.layers[1], cache.resident(cache.layers[1])
     # the current token used both resident experts of this layer: a prefetch finds nothing to evict
@@ -93,8 +83,7 @@ def test_a_prefetch_spares_named_and_current_experts(store):
     planner._used_now[layer] = (cache.step - 1, set(resident))  # the previous token's: evictable
     cache.predictions[(cache.step + 1, layer)] = {resident[0]}  # ... unless a prediction names it
     assert planner.victim(layer, resident, demand=False) == resident[1]
-    planner.detach()
-    assert cache.planner is None
+    cache.close()
 
 
 @pytest.mark.parametrize("reused, loads", [(False, True), (True, False)])
@@ -103,8 +92,8 @@ def test_a_sure_prefetch_loads_unless_its_victim_is_used_at_the_same_visit(store
     swaps one miss for another, right guess or not: a prediction that is always right loads over a victim that is
     never used then, and not over one that always is."""
     lm = tiny_model("olmoe")
-    cache = offload_experts(lm.model, store, 0.25)  # 2 slots per layer
-    planner = PrefetchPlanner(PlannerConfig(governed=False)).attach(cache)
+    planner = PrefetchPlanner(PlannerConfig(governed=False))
+    cache = offload_experts(lm.model, store, 0.25, planner=planner)  # 2 slots per layer
     greedy(lm.model, PROMPT, 3, on_prefilled=cache.reset)
     planner._util = 0.0  # an idle link: a wasted transfer costs nothing, only the victim's reuse counts
     layer = cache.layers[1]
@@ -116,3 +105,4 @@ def test_a_sure_prefetch_loads_unless_its_victim_is_used_at_the_same_visit(store
         for rank in range(2):
             planner.reuse.observe(planner._reuse_keys(layer, rank, False), reused)
     assert (planner.select(layer, [outside], cache.step + 1, None) == [outside]) is loads
+    cache.close()

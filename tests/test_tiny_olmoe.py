@@ -67,6 +67,7 @@ def test_load_balance_loss_is_one_when_balanced_and_higher_when_collapsed():
     assert b.item() == pytest.approx(1.0, abs=0.05) and c.item() > 3.0
 
 
+@pytest.mark.slow  # (17 s)
 def test_training_step_lowers_the_loss_on_cpu(tmp_path):
     ids = np.tile(np.arange(50, dtype=np.uint16), 200)
     data = tmp_path / "data"

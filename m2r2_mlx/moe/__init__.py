@@ -1,22 +1,19 @@
 """Memory-budgeted mixture-of-experts expert cache with ahead-of-time loading (docs/moe.md).
 
-store = ExpertStore.export(model, "experts/")          # once: experts to disk
-cache = offload_experts(model, "experts/", "25%", policy="lru", link=Link(16, 0.01))
-Prefetcher(cache); PreGating().attach(cache)            # optional: predicted experts in the background
-PrefetchPlanner().attach(cache)                         # optional: load only the predictions that pay
-                                                        # (any predictor by name: serve.attach_predictor)
-... decode as usual ...; cache.stats.summary()
+store = ExpertStore.export(model, "experts/")                      # once: experts to disk
+cache = offload_experts(model, "experts/", "25%", planner=PrefetchPlanner())   # reads from the disk, direct
+PreGating().attach(cache)                                           # optional: predicted experts read ahead
+... decode as usual ...; cache.stats.summary(); cache.close()
+(any predictor by name, with its planner: serve.offload_with_predictor, serve.serve_with_budget)
 """
 
-from .baselines import LookaheadPredictor, NoPrediction, Oracle, PreGating, ShuffledControl
+from .baselines import LookaheadPredictor, NoPrediction, PreGating
 from .blocks import moe_blocks, router
-from .cache import ExpertCache, parse_budget, resolve_slots
-from .link import Link
+from .cache import ExpertCache, IOConfig, parse_budget, resolve_slots
 from .offload import CachedSwitchGLU, offload_experts
 from .planner import PlannerConfig, PrefetchPlanner
 from .policies import LFU, LRU, make_policy
 from .predictors import PREDICTORS, Predictor, PredictorEntry, PredictorInputs, build_predictor, get_predictor
-from .prefetch import Prefetcher
 from .stats import CacheStats, LayerStats
 from .store import ExpertStore
 
@@ -25,13 +22,12 @@ __all__ = [
     "CachedSwitchGLU",
     "ExpertCache",
     "ExpertStore",
+    "IOConfig",
     "LFU",
     "LRU",
     "LayerStats",
-    "Link",
     "LookaheadPredictor",
     "NoPrediction",
-    "Oracle",
     "PREDICTORS",
     "PlannerConfig",
     "PreGating",
@@ -39,8 +35,6 @@ __all__ = [
     "PredictorEntry",
     "PredictorInputs",
     "PrefetchPlanner",
-    "Prefetcher",
-    "ShuffledControl",
     "build_predictor",
     "get_predictor",
     "make_policy",

@@ -1,12 +1,10 @@
 """The baseline predictors, each listening to the cache (``attach``) and, before layer l computes, asking
 ``cache.prefetch`` for deeper layers.
 
-``PreGating`` feeds layer l's input to the routers of the next layers (the slow state as a
-stand-in for theirs). ``ShuffledControl`` asks for as many experts as pre-gating would, at
-random (seeded): a prediction that carries no information, the control. ``Oracle`` replays
-the experts a previous identical run really used (the cache's ``trace``): the upper bound.
-``NoPrediction`` asks for nothing: every expert loads on demand. The M2R2 fast stream's
-predictors are in fast_predictor.py and fused_predictor.py; predictors.py names them all.
+``PreGating`` feeds layer l's input to the routers of the next layers (the slow state as a stand-in for theirs).
+``NoPrediction`` asks for nothing: every expert loads on demand. The lookahead maps are in lookahead.py, the M2R2
+fast stream's predictors in fast_predictor.py and fused_predictor.py; predictors.py names them all. The bench's
+controls (a shuffled prediction, the true routes) are in bench/moe_controls.py.
 """
 
 from __future__ import annotations
@@ -33,6 +31,9 @@ class NoPrediction:
 
     def detach(self) -> None:
         self.cache = None
+
+    def own_modules(self) -> list:
+        return []
 
 
 class ListeningPredictor(NoPrediction):
@@ -104,44 +105,3 @@ class PreGating(LookaheadPredictor):
         if x.shape[0] != 1 or layer not in self.cache.scorers:
             return self.predict(layer, x), None
         return top_scored(np.array(self.cache.scorers[layer](x))[0], self.cache.top_k(layer))
-
-
-class ShuffledControl(PreGating):
-    """As many experts as pre-gating predicts, drawn at random with a fixed seed."""
-
-    def __init__(self, lookahead: int = 1, seed: int = 0):
-        super().__init__(lookahead)
-        self.rng = np.random.default_rng(seed)
-
-    def predict(self, layer: int, x: mx.array) -> list[int]:
-        n = len(super().predict(layer, x))
-        return [int(e) for e in self.rng.choice(self.cache.num_experts(layer), size=n, replace=False)]
-
-    def predict_scored(self, layer: int, x: mx.array) -> tuple[list[int], np.ndarray | None]:
-        return self.predict(layer, x), None
-
-
-class Oracle(LookaheadPredictor):
-    """The experts a previous run used at the same (step, layer): record ``cache.trace`` in a first run.
-
-    Unlike the other predictors it also looks past the last layer, into the next step's first layers (the true
-    routes of the next token are known to it): so no layer is left to load on demand, and it bounds what any
-    predictor can hide."""
-
-    def __init__(self, trace: dict[tuple[int, int], list[int]], lookahead: int = 1):
-        super().__init__(lookahead)
-        self.trace = trace
-
-    def predict(self, layer: int, x: mx.array) -> list[int]:
-        return self.routes(self.cache.step, layer)
-
-    def routes(self, step: int, layer: int) -> list[int]:
-        """The experts it names for ``layer`` at ``step`` (the recorded ones)."""
-        return list(self.trace.get((step, layer), []))
-
-    def on_layer(self, layer: int, x: mx.array) -> None:
-        cache, n = self.cache, len(self.cache.layers)
-        for j in range(cache.ordinal(layer) + 1, cache.ordinal(layer) + 1 + self.lookahead):
-            step, target = cache.step + j // n, cache.layers[j % n]
-            if experts := self.routes(step, target):
-                cache.prefetch(target, experts, step=step)

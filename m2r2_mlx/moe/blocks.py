@@ -59,12 +59,11 @@ def router(block: nn.Module) -> Callable[[mx.array], mx.array] | None:
     so top-k of the logits picks the same experts for both and skips the exponentials.
     """
     k = top_k(block)
-    gate = getattr(block, "gate", None)
-    if k is None or not isinstance(gate, nn.Linear):
+    if k is None or not isinstance(getattr(block, "gate", None), nn.Linear):
         return None
 
-    def route(x: mx.array) -> mx.array:
-        return mx.argpartition(-gate(x), kth=k - 1, axis=-1)[..., :k]
+    def route(x: mx.array) -> mx.array:  # the block's gate as it is now (a metered run swaps it for a wrapper)
+        return mx.argpartition(-block.gate(x), kth=k - 1, axis=-1)[..., :k]
 
     return route
 
@@ -72,10 +71,9 @@ def router(block: nn.Module) -> Callable[[mx.array], mx.array] | None:
 def router_scores(block: nn.Module) -> Callable[[mx.array], mx.array] | None:
     """x (tokens, D) -> the router's probability of each expert (softmax of its logits; its top-k are the experts
     ``router`` picks), or None for unknown gates. What a predictor's confidence in an expert is read from."""
-    gate = getattr(block, "gate", None)
-    if top_k(block) is None or not isinstance(gate, nn.Linear):
+    if top_k(block) is None or not isinstance(getattr(block, "gate", None), nn.Linear):
         return None
-    return lambda x: mx.softmax(gate(x).astype(mx.float32), axis=-1)
+    return lambda x: mx.softmax(block.gate(x).astype(mx.float32), axis=-1)
 
 
 def top_scored(probs, k: int):

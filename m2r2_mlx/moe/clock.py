@@ -1,14 +1,15 @@
 """Time for the expert cache: the wall clock, or a modelled device's (a discrete-event clock).
 
-Every time-dependent decision of the cache, the background loader, the prefetch planner and the governor (is a
-prefetch in time, does the predictor pay for its work) reads ``cache.clock``. ``WallClock`` is this machine's time;
-the link is throttled by sleeping (link.py). ``DeviceClock`` is one decode on a profiled device (profiles.py),
-modelled as two resources:
+Every time-dependent decision of the cache, its loader, the prefetch planner and the governor (is a prefetch in
+time, does the predictor pay for its work) reads ``cache.clock``. One clock per question: ``WallClock`` is this
+machine's time, with experts read from its disk (loader.DiskLoader); ``DeviceClock`` is one decode on a profiled
+device (profiles.py), modelled as two resources:
 
 - a **compute stream**: the model's ops in program order, each taking its roofline time (the bytes it reads over
   the device's achieved memory bandwidth, or its FLOPs over the device's peak, whichever is larger) plus a launch
   cost; a host round trip (the router's choice read back to decide loads) costs ``sync``;
-- a **link channel**: transfers queue on it, each taking the link's latency plus bytes over its bandwidth.
+- a **link channel**: reads queue on it (loader.DeviceLoader), each taking the link's latency plus bytes over its
+  bandwidth.
 
 An op that needs an expert still on the link waits for it (a stall). Ops are charged by ``metering.metered`` as the
 real model calls them, so the trace (routes, predictions, cache decisions, prefetches) is the real decode's and the
@@ -19,8 +20,7 @@ same figures on every run.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from ..errors import M2R2Error
 
@@ -28,6 +28,10 @@ from ..errors import M2R2Error
 class Clock(Protocol):
     def now(self) -> float:
         """Seconds since an arbitrary origin, on the clock's own timeline."""
+        ...
+
+    def sync(self) -> None:
+        """A host round trip (the router's choice read back): charged on a device, already paid on this machine."""
         ...
 
 
@@ -38,6 +42,9 @@ class WallClock:
 
     def now(self) -> float:
         return time.perf_counter()
+
+    def sync(self) -> None:
+        pass
 
 
 class DeviceClock:
@@ -106,46 +113,3 @@ class DeviceClock:
         self.compute_t += stall
         self.stalled += stall
         return stall
-
-
-class DeviceLink:
-    """The ``Link`` of a device-clock run: transfers are charged on the clock's channel, nothing sleeps. A transfer
-    through ``transfer`` is a load on demand: the compute stream waits for it. ``scale``: the device's bytes per byte
-    held here (an expert held in float32 here and in 4 bits on the device moves 0.5625 / 4 of its bytes)."""
-
-    def __init__(self, clock: DeviceClock, scale: float = 1.0):
-        self.clock, self.scale = clock, scale
-        self.gb_per_s = clock.link_bandwidth / 1e9
-        self.latency_ms = clock.link_latency * 1e3
-        self.transfers = 0
-        self.bytes = 0
-
-    throttled = True
-
-    @property
-    def busy_s(self) -> float:
-        return self.clock.link_busy
-
-    def scaled(self, nbytes: int) -> float:
-        return nbytes * self.scale
-
-    def min_seconds(self, nbytes: int) -> float:
-        return self.clock.transfer_seconds(self.scaled(nbytes))
-
-    def land(self, nbytes: int) -> None:
-        """An arrived expert written into its slot: a copy on the compute stream (read and write), with the host's
-        work for one load (kind "load": reading the store, converting, the slot write's dispatch)."""
-        self.clock.op(2 * self.scaled(nbytes), kind="load")
-
-    def count(self, nbytes: int) -> None:
-        self.transfers += 1
-        self.bytes += nbytes
-
-    @contextmanager
-    def transfer(self, nbytes: int) -> Iterator[None]:
-        yield
-        self.count(nbytes)
-        self.clock.wait(self.clock.transfer(self.scaled(nbytes)))
-
-    def __repr__(self) -> str:
-        return f"DeviceLink({self.gb_per_s:g} GB/s, {self.latency_ms:g} ms)"

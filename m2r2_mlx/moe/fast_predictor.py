@@ -72,14 +72,12 @@ class _GateTap(LayerTap):
 
 class FastStreamPredictor:
     """Predict each interval's experts from the previous interval's fast-stream exit (a ``Predictor``: the registry
-    in predictors.py names it ``m2r2``)."""
+    in predictors.py names it ``fast``)."""
 
-    def __init__(self, m2r2: M2R2Model, intervals: int | None = None):
+    def __init__(self, m2r2: M2R2Model):
         self.m2r2 = m2r2
         self.parts = m2r2.parts
-        # run ahead in the first ``intervals`` intervals only (default all): fewer fast-stream layer
-        # passes per token; the last one run then predicts every layer above it
-        self.intervals = m2r2.config.intervals()[:intervals]
+        self.intervals = m2r2.config.intervals()
         self.starts = {s: (s, g) for s, g in self.intervals}
         self.caches: dict[int, object] = {}
         self.running = False
@@ -100,6 +98,9 @@ class FastStreamPredictor:
         for i in range(len(layers)):
             layers[i] = _GateTap(layers[i], i, self)
         return self
+
+    def own_modules(self) -> list:
+        return [self.m2r2]
 
     def detach(self) -> None:
         layers = self.parts.layers
@@ -141,13 +142,11 @@ class FastStreamPredictor:
             if i in self.blocks:
                 saved[i] = self.blocks[i].gate
                 self.blocks[i].gate = _ResidentOnlyGate(saved[i], self.cache, i)
-        self.cache.resident_only = True  # one lazy graph for the whole interval, evaluated once
-        try:
-            with self.cache.side_pass():
+        try:  # routed among resident experts: one lazy graph for the whole interval, evaluated once
+            with self.cache.resident_only(), self.cache.side_pass():
                 out = self.m2r2.fast_layers(h, start, stop, None, views)
                 mx.eval(out)
         finally:
-            self.cache.resident_only = False
             for i, gate in saved.items():
                 self.blocks[i].gate = gate
         self.fast_layer_passes += stop - start

@@ -55,7 +55,7 @@ class _FusedRowsGate(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = self.gate(x)
-        fast = self.cache.fused_rows
+        fast = self.cache.mode.fused_rows
         if not fast:
             return logits
         slow = logits[:-fast]
@@ -79,7 +79,7 @@ class _FusedTap(LayerTap):
 
 class FusedPredictor:
     """Predict experts from the fast stream's exits, computed as an extra row of the slow pass (a ``Predictor``: the
-    registry in predictors.py names it ``m2r2-fused``)."""
+    registry in predictors.py names it ``fast-fused``)."""
 
     def __init__(self, m2r2: M2R2Model):
         if not m2r2.can_fuse:
@@ -115,6 +115,9 @@ class FusedPredictor:
             layers[i] = _FusedTap(layers[i], i, self)
         return self
 
+    def own_modules(self) -> list:
+        return [self.m2r2]
+
     def detach(self) -> None:
         layers = self.parts.layers
         for i in range(len(layers)):
@@ -134,11 +137,12 @@ class FusedPredictor:
             self.fast = self.m2r2.start_state(j, h, self.h_prev) if wanted else None
         if self.fast is None:
             return None
-        self.inside, self.cache.fused_rows = True, 1
+        self.inside = True
         try:
-            out, self.fast = self.m2r2.fused_layer(i, h, self.fast, kv)
+            with self.cache.fused_rows(1):
+                out, self.fast = self.m2r2.fused_layer(i, h, self.fast, kv)
         finally:
-            self.inside, self.cache.fused_rows = False, 0
+            self.inside = False
         self.fast_layer_passes += 1
         if i in self.stop_of:
             self.predict(self.targets[self.stop_of[i]], self.fast)

@@ -10,7 +10,7 @@ to the next's), relative to the plain step, as the speculative engine prices dra
              = (prefetch hits - experts a prefetch evicted that came back on demand) x t
                - (stall - on-demand misses x t)              (late prefetches, landing copies, a queued link)
 
-with ``t`` one on-demand load's measured stall (from steps without the predictor; the link model's transfer time
+with ``t`` one on-demand load's measured stall (from steps without the predictor; the loader's expected read time
 before any). Both are moving averages. The predictor runs while savings exceed cost; otherwise the cache is plain
 LRU. Estimates recover through probes: a step with the predictor where it is off (for its cost and savings), one
 without where it is on (for the plain step's compute), each only while the probes' total expected loss (cost -
@@ -75,7 +75,7 @@ class PredictorGovernor:
         """At each decode step's first MoE layer: measure the window that ends, decide the next."""
         now, counters = cache.clock.now(), _counters(cache)
         if self.t_miss is None:
-            self.t_miss = cache.link.min_seconds(max(cache.store.expert_bytes(l) for l in cache.layers))
+            self.t_miss = cache.loader.read_seconds(cache.store.expert_bytes())
         if self._mark is not None and cache.step == self._mark[1] + 1:
             d = [a - b for a, b in zip(counters, self._mark[2])]
             if min(d) >= 0:

@@ -1,8 +1,9 @@
-"""The cpu profile, measured inside a real decode: each metered op timed where the model calls it.
+"""The here profile (this machine), measured inside a real decode: each metered op timed where the model calls it,
+and the disk read by ``reader.probe_disk``.
 
 A kernel timed alone, many times over, runs faster than the same kernel inside a decode: there its weights are
 cold, Python runs between ops, and the fastest of several runs is the machine at its best rather than as a decode
-finds it. So the cpu profile's figures come from the decode the device clock models: ``time_decodes`` decodes
+finds it. So the here profile's figures come from the decode the device clock models: ``time_decodes`` decodes
 greedily with every op that ``metering`` charges evaluated on its own and timed (less an evaluation's own
 overhead), beside the same decode as it runs and through a full expert cache, a step of each in turn so that all
 three meet the same moments of a noisy machine; ``fit_cpu`` turns the ops' median times into the profile's terms:
@@ -16,9 +17,11 @@ three meet the same moments of a noisy machine; ``fit_cpu`` turns the ops' media
 - an op timed alone costs more than inside the running graph: the timed ops give their costs relative to each
   other, scaled so that with those launches they sum to the running decode's median step;
 - a host round trip (``sync``, charged once a MoE layer): the cached decode's step beyond the plain one, a layer;
-- one expert load (kind ``load``): an LRU decode at a quarter of the experts on the cpu link beside the full
-  cache's, their difference a load beyond the link's own time and the slot copy (the store read, the conversion,
-  the slot write, the sleep's overshoot, and what a load costs the compute around it);
+- one expert load (kind ``load``): an LRU decode at a quarter of the experts, its experts read from the disk,
+  beside the full cache's, their difference a load beyond the read's own time and the slot copy (the conversion,
+  the slot write, the reader threads' bookkeeping, and what a load costs the compute around it);
+- the link: the disk's throughput with large direct reads and the fixed cost of an expert's read
+  (``reader.probe_disk``);
 - the FLOP rate (a 1024^3 matmul), timed alone: decode at batch 1 hardly touches it.
 
 ``python -m m2r2_mlx.moe.insitu MODEL`` prints the figures in the profile's terms (profiles.py holds them).
@@ -41,10 +44,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import M2R2Error
 from ..models.registry import load_model
-from .link import Link
 from .metering import Metering, metered
 from .offload import offload_experts
 from .profiles import PROFILES, DeviceProfile
+from .reader import probe_disk
 from .serve import exported_store
 
 FIXED_KINDS = ("attention", "rope", "norm")  # op kinds priced by a fixed cost beyond their bytes
@@ -78,22 +81,30 @@ class _Stepper:
 
 class _OpTimer:
     """Wraps each metered call (``metered(..., around=timer)``): its inputs evaluated first, then the op alone,
-    timed to its evaluated output, less an evaluation's own overhead (``overhead``, timed on a trivial op)."""
+    timed to its evaluated output, less an evaluation's own overhead (``overhead``, timed on a trivial op). An
+    attention module's call holds other metered ops (its projections, rotary embeddings): the attention kernel's
+    time is the call's less theirs."""
 
     def __init__(self, log: _OpLog):
         self.log, self.samples = log, []
+        self._nested = 0.0  # seconds timed by the metered calls inside the one running now
         x = mx.zeros((1, 8))
         self.overhead = statistics.median(_seconds(lambda: mx.eval(x + 1.0)) for _ in range(101))
 
-    def __call__(self, f):
+    def __call__(self, f, kind: str):
         def call(*args, **kwargs):
             mx.eval([a for a in args if isinstance(a, mx.array)])
-            first = len(self.log.ops)
+            first, outer = len(self.log.ops), self._nested
+            self._nested = 0.0
             start = time.perf_counter()
             out = f(*args, **kwargs)
             mx.eval(out)
-            kind, nbytes = self.log.ops[first]
-            self.samples.append((kind, nbytes, max(time.perf_counter() - start - self.overhead, 0.0)))
+            elapsed = max(time.perf_counter() - start - self.overhead, 0.0)
+            own = max(elapsed - self._nested, 0.0)
+            self._nested = outer + elapsed
+            charged = [op for op in self.log.ops[first:] if kind != "attention" or op[0] == "attention"]
+            if charged:
+                self.samples.append((charged[0][0], charged[0][1], own))
             return out
 
         return call
@@ -118,7 +129,7 @@ def time_decodes(model, via_cache, prompt: np.ndarray, steps: int = 24, warmup: 
         if i == warmup:
             timer.samples.clear()
             log.ops.clear()
-        with metered(log, Metering(), around=timer):
+        with metered(log, Metering(), model, around=timer):
             timed.step()
         plain_s.append(plain.step())
         cached_s.append(cached.step())
@@ -173,10 +184,10 @@ def launch_seconds() -> float:
 
 
 def load_seconds(model, cache, full, prompt: np.ndarray, bandwidth: float, steps: int = 48) -> float:
-    """One expert load's host work beyond the link's time and the slot copy: ``model`` (through ``cache``, an
-    ExpertCache on the cpu profile's link at a quarter of its experts) decoded beside ``full`` (through a full
-    one), a step of each in turn; their difference, a load, less the link's time and the copy."""
-    link, nbytes = cache.link, cache.store.expert_bytes()
+    """One expert load's host work beyond its read and the slot copy: ``model`` (through ``cache``, an ExpertCache
+    reading from the disk at a quarter of its experts) decoded beside ``full`` (through a full one), a step of each
+    in turn; their difference, a load, less a read's measured time and the copy."""
+    nbytes = cache.store.expert_bytes()
     a, b = _Stepper(model, prompt), _Stepper(full, prompt)
     for _ in range(4):  # fill the slots
         a.step(), b.step()
@@ -185,7 +196,7 @@ def load_seconds(model, cache, full, prompt: np.ndarray, bandwidth: float, steps
     loads = cache.stats.misses
     if not loads:
         raise M2R2Error("the LRU decode made no loads; the model has too few experts for a quarter's budget")
-    return difference / loads - link.min_seconds(nbytes) - 2 * nbytes / bandwidth
+    return difference / loads - cache.loader.read_seconds(nbytes) - 2 * nbytes / bandwidth
 
 
 def flop_rate() -> float:
@@ -195,11 +206,11 @@ def flop_rate() -> float:
     return 2 * 1024**3 / statistics.median(_seconds(lambda: mx.eval(a @ b)) for _ in range(9)) / 1e12
 
 
-def measure_cpu(folder: Path, steps: int = 24) -> dict[str, float]:
-    """This machine's figures for the cpu profile, from decoding the model in ``folder`` on the first tokens of its
+def measure_here(folder: Path, steps: int = 24) -> dict[str, float]:
+    """This machine's figures for the here profile, from decoding the model in ``folder`` on the first tokens of its
     train.npy (the bench's prompts are its held-out ones): all experts resident, timed op by op and as it runs,
     beside the same model through a full ExpertCache (its host work per MoE layer: routes read back, loads
-    decided), then LRU at a quarter of the experts (a load's host work)."""
+    decided), then LRU at a quarter of the experts (a load's host work); the disk by ``probe_disk``."""
     train = folder / "train.npy"
     if not train.is_file():
         raise M2R2Error(f"{train} not found; pass a built MoE model folder (m2r2-bench --moe builds one)")
@@ -211,33 +222,36 @@ def measure_cpu(folder: Path, steps: int = 24) -> dict[str, float]:
     samples, plain_s, cached_s, ops_per_step = time_decodes(model, via_cache, prompt, steps)
     figures = fit_cpu(samples, plain_s, ops_per_step, launch_seconds())
     host_per_layer = statistics.median(c - p for c, p in zip(cached_s, plain_s)) / len(full.layers)
-    lru = offload_experts(model, store, 0.25, link=Link(0.5, 0.05))
-    load = load_seconds(model, lru, via_cache, prompt, figures["memory_gbps"] * 1e9)
-    lru.close()
     full.close()
+    disk = probe_disk(store)
+    with offload_experts(model, store, 0.25) as lru:
+        load = load_seconds(model, lru, via_cache, prompt, figures["memory_gbps"] * 1e9)
     return {
         **figures,
         "sync_us": 1e6 * max(host_per_layer, 0.0),
         "load_us": 1e6 * max(load, 0.0),
         "tflops": flop_rate(),
+        "disk_gbps": disk.gbps,
+        "read_latency_ms": disk.latency_ms,
     }
 
 
 def profile_here(folder: Path) -> DeviceProfile:
-    """The cpu profile with this machine's figures measured now (``measure_cpu``)."""
-    f = measure_cpu(folder)
+    """The here profile with this machine's figures measured now (``measure_here``)."""
+    f = measure_here(folder)
     kinds = [k for k in FIXED_KINDS if f"{k}_us" in f]  # a model without rotary embeddings times none
     fixed = {"matmul": f["matmul_us"], "load": f["load_us"], **{k: f[f"{k}_us"] for k in kinds}}
     return replace(
-        PROFILES["cpu"],
-        name="here",
-        what="this machine, measured at the start of the run (m2r2_mlx/moe/insitu.py)",
+        PROFILES["here"],
+        what="this machine and its disk, measured at the start of the run (m2r2_mlx/moe/insitu.py)",
         memory_gbps=f["memory_gbps"],
         tflops=f["tflops"],
         launch_us=f["launch_us"],
         sync_us=f["sync_us"],
         fixed_us=tuple(fixed.items()),
         shares=(("gather", f["gather_share"]),),
+        link_gbps=f["disk_gbps"],
+        latency_ms=f["read_latency_ms"],
     )
 
 
@@ -245,7 +259,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python -m m2r2_mlx.moe.insitu MODEL  (a built MoE model folder, e.g. build/smollm2-moe)")
     try:
-        figures = measure_cpu(Path(sys.argv[1]))
+        figures = measure_here(Path(sys.argv[1]))
     except M2R2Error as e:
         sys.exit(f"error: {e}")
     print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()))

@@ -244,6 +244,9 @@ class LookaheadAdapterPredictor(ListeningPredictor):
             )
         return super().attach(cache)
 
+    def own_modules(self) -> list:
+        return [self.adapters]
+
     def on_layer(self, layer: int, x: mx.array) -> None:
         cache = self.cache
         ordinal = cache.ordinal(layer)

@@ -10,10 +10,12 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import M2R2Error
+from ..tracing import NO_TRACE, Tracer
 from .blocks import expert_params, module_path, moe_blocks, router, router_scores
-from .cache import ExpertCache
+from .cache import ExpertCache, IOConfig
 from .clock import Clock
-from .link import Link
+from .planner import PrefetchPlanner
+from .residency import PolicyFactory
 from .store import ExpertStore, mlx_dtype
 
 
@@ -32,12 +34,12 @@ class CachedSwitchGLU(nn.Module):
         self.layer = layer
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        cache, layer = self.cache, self.layer
-        if cache.resident_only:  # a predictor running ahead, routed to resident experts: no loads, no sync
+        cache, layer, mode = self.cache, self.layer, self.cache.mode
+        if mode.resident_only:  # a predictor running ahead, routed to resident experts: no loads, no sync
             return self.inner(x, cache.slot_map(layer)[indices])
         d = x.shape[-1]
-        if cache.fused_rows:  # a fast stream riding along as the last batch rows: routed to the slow rows' experts
-            slow = x.shape[0] - cache.fused_rows
+        if mode.fused_rows:  # a fast stream riding along as the last batch rows: routed to the slow rows' experts
+            slow = x.shape[0] - mode.fused_rows
             ids = np.array(indices[:slow])
             cache.host_sync()
             rounds = cache.begin_layer(layer, x[:slow].reshape(-1, d), ids.reshape(-1))
@@ -95,11 +97,15 @@ def offload_experts(
     store: ExpertStore | str | Path,
     budget: float | int | str = 1.0,
     *,
-    policy: str = "lru",
-    link: Link | None = None,
+    policy: str | PolicyFactory = "lru",
     clock: Clock | None = None,
+    planner: PrefetchPlanner | None = None,
+    io: IOConfig = IOConfig(),
+    device_scale: float = 1.0,
+    tracer: Tracer = NO_TRACE,
 ) -> ExpertCache:
-    """Serve every MoE layer's experts from ``store`` through an ExpertCache within ``budget``.
+    """Serve every MoE layer's experts from ``store`` through an ExpertCache within ``budget`` (its arguments:
+    cache.py).
 
     The model's own expert tensors are dropped (their memory is freed once nothing else holds
     them); the routers stay in place and are also reachable as ``cache.routers[layer]``.
@@ -116,7 +122,9 @@ def offload_experts(
         )
     for i, block in blocks:
         _check_matches(store, i, module_path(model, block.switch_mlp), expert_params(block.switch_mlp))
-    cache = ExpertCache(store, budget, policy=policy, link=link, clock=clock)
+    cache = ExpertCache(
+        store, budget, policy=policy, clock=clock, planner=planner, io=io, device_scale=device_scale, tracer=tracer
+    )
     for i, block in blocks:
         inner = block.switch_mlp
         inner.update(tree_unflatten(list(cache.slots[i].items())))  # the slot tensors themselves, shared

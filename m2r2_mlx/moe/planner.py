@@ -64,7 +64,7 @@ class PlannerConfig:
 class PrefetchPlanner:
     """Decides which predicted experts an ``ExpertCache`` loads ahead, and what they evict; see the module docstring.
 
-    ``attach(cache)`` installs it (``cache.planner``); ``detach()`` restores plain prefetching."""
+    Passed to the cache it serves (``ExpertCache(..., planner=PrefetchPlanner())``), which binds it to itself."""
 
     def __init__(self, config: PlannerConfig = PlannerConfig()):
         self.config = config
@@ -82,15 +82,11 @@ class PrefetchPlanner:
         self.decisions = {"considered": 0, "loaded": 0}
         self.governor = PredictorGovernor() if config.governed else None  # does the predictor pay for its work
 
-    def attach(self, cache: ExpertCache) -> PrefetchPlanner:
+    def bind(self, cache: ExpertCache) -> None:
+        """The cache this planner serves (called by the cache's constructor)."""
+        if self.cache is not None:
+            raise ValueError("a PrefetchPlanner serves one expert cache")
         self.cache = cache
-        cache.planner = self
-        return self
-
-    def detach(self) -> None:
-        if self.cache is not None and self.cache.planner is self:
-            self.cache.planner = None
-        self.cache = None
 
     # -- what the cache tells it ------------------------------------------------------------------
 
@@ -111,17 +107,17 @@ class PrefetchPlanner:
         self._used_now[layer] = (step, used)
 
     def _tick(self) -> None:
-        """Once per decode step: counts decay (they stand still while the predictor is off), the link's busy share
+        """Once per decode step: counts decay (they stand still while the predictor is off), the reads' busy share
         is measured over the last step."""
         if self.governor is None or self.governor.active:
             self.hits.tick()
             self.reuse.tick()
-        link, now = self.cache.link, self.cache.clock.now()
+        busy, now = self.cache.loader.busy_s, self.cache.clock.now()
         if self._clock is not None and now > self._clock[0]:
-            share = (link.busy_s - self._clock[1]) / (now - self._clock[0])
+            share = (busy - self._clock[1]) / (now - self._clock[0])
             a = self.config.util_smoothing
             self._util = (1 - a) * self._util + a * min(max(share, 0.0), 1.0)
-        self._clock = (now, link.busy_s)
+        self._clock = (now, busy)
         step = self.cache.step
         self._pending = {k: v for k, v in self._pending.items() if k[0] >= step}
         self._dist = {k: v for k, v in self._dist.items() if k[0] >= step}

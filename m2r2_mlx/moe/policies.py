@@ -69,23 +69,6 @@ class LFU(EvictionPolicy):
         return self._count.get(expert, 0), self._last.get(expert, 0)
 
 
-class Belady(EvictionPolicy):
-    """Evict the expert whose next use is farthest in the future (never used again: first); ties by recency.
-
-    Belady's MIN: with the true future routes, the fewest misses any on-demand policy can have (an offline bound,
-    for measurements: it reads the routes of a recorded run). ``next_use(expert)``: the step it is next used at this
-    layer (inf: never)."""
-
-    name = "belady"
-
-    def __init__(self, next_use=None) -> None:
-        super().__init__()
-        self.next_use = next_use
-
-    def rank(self, expert: int):
-        return -self.next_use(expert), self._last.get(expert, 0)
-
-
 POLICIES = {cls.name: cls for cls in (LRU, LFU)}
 
 

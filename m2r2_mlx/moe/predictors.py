@@ -1,10 +1,11 @@
 """Who predicts which experts the next layers will need: the ``Predictor`` protocol, and ``PREDICTORS``, the one
-registry of predictors by name that `m2r2-chat --expert-predictor`, ``serve_with_budget`` and `m2r2-bench --moe`
-read. A new predictor is one entry here.
+registry of predictors a user can pick by name (`m2r2-chat --expert-predictor`, ``serve_with_budget``, `m2r2-bench
+--moe`). A new predictor is one entry here; the bench registers its measurement controls beside these
+(bench/moe_controls.py).
 
-A predictor is built unattached from ``PredictorInputs`` (what some predictors need: M2R2 adapters, a recorded
-trace), then ``attach(cache)`` hooks it into an ``ExpertCache``: it asks ``cache.prefetch`` (or a ``Prefetcher``)
-for the experts of layers the forward pass has not reached yet. ``detach()`` unhooks it.
+A predictor is built unattached from ``PredictorInputs`` (what some predictors need: M2R2 adapters, lookahead maps),
+then ``attach(cache)`` hooks it into an ``ExpertCache``: it asks ``cache.prefetch`` for the experts of layers the
+forward pass has not reached yet. ``detach()`` unhooks it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
-from .baselines import NoPrediction, Oracle, PreGating, ShuffledControl
+from .baselines import NoPrediction, PreGating
 from .cache import ExpertCache
 from .fast_predictor import FastStreamPredictor
 from .fused_predictor import FusedPredictor
@@ -36,12 +37,14 @@ class Predictor(Protocol):
         """Stop predicting; the model and cache are as before ``attach``."""
         ...
 
+    def own_modules(self) -> list:
+        """The module trees it runs beside the model (its own weights): what a device clock meters with it."""
+        ...
+
 
 @dataclass(frozen=True)
 class PredictorInputs:
     m2r2: M2R2Model | None = None  # adapters trained on the model (entries that need_adapters)
-    intervals: int | None = None  # M2R2 run-ahead: the fast stream runs in the first N gate intervals only
-    trace: dict[tuple[int, int], list[int]] | None = None  # (step, layer) -> experts used (entries that need_trace)
     lookahead: LookaheadAdapters | None = None  # fitted to the model (entries that need_lookahead)
 
 
@@ -52,10 +55,7 @@ class PredictorEntry:
     help: str
     build: Callable[[PredictorInputs], Predictor]  # unattached
     needs_adapters: bool = False
-    needs_trace: bool = False  # replays a recorded run: for measurements only
     needs_lookahead: bool = False  # lookahead adapters fitted to the model (lookahead.py)
-    control: bool = False  # a baseline that measurements compare against, of no use when serving
-    loads_ahead: bool = True  # needs the background loader (a Prefetcher) beside it
     planned: bool = False  # a PrefetchPlanner (planner.py) loads only the predictions expected to pay
 
 
@@ -77,7 +77,7 @@ PREDICTORS: dict[str, PredictorEntry] = {
         ),
         PredictorEntry(
             "lookahead",
-            f"lookahead adapters ({DEFAULT_FIT.lead} layers ahead, {DEFAULT_FIT.depth} read), planned",
+            f"lookahead maps ({DEFAULT_FIT.lead} layers ahead, {DEFAULT_FIT.depth} read), planned",
             f"a linear map per layer from the router inputs of {DEFAULT_FIT.depth} MoE layers, the nearest "
             f"{DEFAULT_FIT.lead} earlier (across the token boundary); planned (fitted to the model: python -m "
             "m2r2_mlx.moe lookahead MODEL)",
@@ -86,17 +86,17 @@ PREDICTORS: dict[str, PredictorEntry] = {
             planned=True,
         ),
         PredictorEntry(
-            "m2r2",
-            "M2R2 ahead-of-time",
+            "fast",
+            "M2R2 fast stream, run ahead",
             "M2R2's fast stream runs each gate interval ahead of the slow one; its exit state feeds the next "
             "interval's routers; planned (needs adapters for the model)",
-            lambda i: FastStreamPredictor(i.m2r2, intervals=i.intervals),
+            lambda i: FastStreamPredictor(i.m2r2),
             needs_adapters=True,
             planned=True,
         ),
         PredictorEntry(
-            "m2r2-fused",
-            "M2R2 ahead-of-time, fused rows",
+            "fast-fused",
+            "M2R2 fast stream, fused rows",
             "M2R2's fast stream as a second row of the slow stream's own layer calls; planned (needs bottleneck "
             "adapters)",
             lambda i: FusedPredictor(i.m2r2),
@@ -104,62 +104,27 @@ PREDICTORS: dict[str, PredictorEntry] = {
             planned=True,
         ),
         PredictorEntry(
-            "shuffled",
-            "shuffled control",
-            "as many experts as pre-gating, drawn at random (seeded): a prediction that carries no information",
-            lambda i: ShuffledControl(seed=0),
-            control=True,
-        ),
-        PredictorEntry(
-            "shuffled-planned",
-            "shuffled control, planned",
-            "the shuffled control's random experts through the prefetch planner: it should load (almost) nothing",
-            lambda i: ShuffledControl(seed=0),
-            control=True,
-            planned=True,
-        ),
-        PredictorEntry(
-            "oracle",
-            "oracle (recorded run)",
-            "the experts a previous identical run used (its cache.trace): the upper bound",
-            lambda i: Oracle(i.trace),
-            needs_trace=True,
-            control=True,
-        ),
-        PredictorEntry(
-            "oracle-planned",
-            "oracle (recorded run), planned",
-            "the recorded run's experts through the prefetch planner: what planned loading approaches",
-            lambda i: Oracle(i.trace),
-            needs_trace=True,
-            control=True,
-            planned=True,
-        ),
-        PredictorEntry(
             "none",
             "on demand",
             "no prediction: experts load when the router picks them",
             lambda i: NoPrediction(),
-            loads_ahead=False,
         ),
     )
 }
 
 
-def get_predictor(name: str) -> PredictorEntry:
+def get_predictor(name: str, registry: dict[str, PredictorEntry] = PREDICTORS) -> PredictorEntry:
     try:
-        return PREDICTORS[name]
+        return registry[name]
     except KeyError:
-        raise M2R2Error(f"unknown expert predictor {name!r}; choose from {', '.join(PREDICTORS)}") from None
+        raise M2R2Error(f"unknown expert predictor {name!r}; choose from {', '.join(registry)}") from None
 
 
-def build_predictor(name: str, inputs: PredictorInputs | None = None) -> Predictor:
-    """The named predictor, unattached; what it needs is checked first, in one line."""
-    entry, inputs = get_predictor(name), inputs or PredictorInputs()
+def build_predictor(entry: PredictorEntry, inputs: PredictorInputs | None = None) -> Predictor:
+    """``entry``'s predictor, unattached; what it needs is checked first, in one line."""
+    inputs = inputs or PredictorInputs()
     if entry.needs_adapters and inputs.m2r2 is None:
-        raise M2R2Error(f"the {name} expert predictor needs M2R2 adapters trained on the model")
+        raise M2R2Error(f"the {entry.name} expert predictor needs M2R2 adapters trained on the model")
     if entry.needs_lookahead and inputs.lookahead is None:
-        raise M2R2Error(f"the {name} expert predictor needs lookahead adapters fitted to the model")
-    if entry.needs_trace and inputs.trace is None:
-        raise M2R2Error(f"the {name} expert predictor replays a recorded run: pass its trace (cache.trace)")
+        raise M2R2Error(f"the {entry.name} expert predictor needs lookahead adapters fitted to the model")
     return entry.build(inputs)

@@ -1,13 +1,10 @@
-"""Device profiles: the machines the MoE bench models, as roofline figures and a link.
+"""Device profiles: the machines the MoE bench's device clock models, as roofline figures and a link.
 
-A profile is used two ways:
-
-- **device clock** (clock.py, metering.py): each op of the real decode is charged the profile's roofline time
-  (bytes over achieved memory bandwidth or FLOPs over peak, the larger, plus a launch cost), each host round trip
-  ``sync_us``, each expert transfer ``latency_ms`` plus its bytes (as the device stores them, ``weight_bytes`` a
-  weight) over ``link_gbps``. Deterministic: the same command gives the same figures.
-- **wall clock**: an emulated link throttled by sleeping, so that one expert's transfer time over one layer's compute
-  time (measured here) is the device's ``ratio`` (``link_for``), or for the ``cpu`` profile the link as stated.
+On the device clock (clock.py, metering.py) each op of the real decode is charged the profile's roofline time (bytes
+over achieved memory bandwidth or FLOPs over peak, the larger, plus a launch cost), each host round trip ``sync_us``,
+each expert read ``latency_ms`` plus its bytes (as the device stores them, ``weight_bytes`` a weight) over
+``link_gbps``. Deterministic: the same command gives the same figures. The wall clock needs no profile: it is this
+machine, reading experts from its own disk.
 
 Figures and sources (docs/moe.md has the same table):
 
@@ -21,12 +18,13 @@ Figures and sources (docs/moe.md has the same table):
   precision tensor cores with half accumulate: 330 sparse / 2); 4 us a kernel launch; 20 us a host round trip
   (stream synchronize plus a small device-to-host copy); PCIe 4.0 x16 from pinned memory at 25 GB/s effective
   with 10 us a transfer. Weights and KV cache in bfloat16.
-- cpu: this machine (2 cores, MLX's CPU backend with OpenBLAS, float32), measured inside a real decode of the
-  bench's MoE model by ``python -m m2r2_mlx.moe.insitu build/smollm2-moe`` (insitu.py: each op timed where the
-  model calls it; medians of four runs): the bandwidth and fixed cost of its matrix-vector products, the share of
-  it gathered expert matmuls reach, the fixed costs of attention, rotary embedding and norms, the launches the
-  meter charges for the kernels it does not time, and the host's work for one expert load. Its link is the bench's
-  default throttled link (0.5 GB/s, 0.05 ms), charged as is.
+- here: this machine (2 cores, MLX's CPU backend with OpenBLAS, float32) and its disk, measured inside a real decode
+  of the bench's MoE model by ``python -m m2r2_mlx.moe.insitu build/smollm2-moe`` (insitu.py: each op timed where
+  the model calls it): the bandwidth and fixed cost of its matrix-vector products, the share of it gathered expert
+  matmuls reach, the fixed costs of attention, rotary embedding and norms, the launches the meter charges for the
+  kernels it does not time, and the host's work for one expert load; its link is the disk under direct reads
+  (reader.probe_disk). ``m2r2-bench --moe --clock device --profile here`` measures them again at the start of the
+  run: the check that the device clock's model reads this machine's wall clock.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import M2R2Error
-from .clock import DeviceClock, DeviceLink
-from .link import Link
+from .clock import DeviceClock
 from .metering import Metering
 
 
@@ -89,13 +86,13 @@ class DeviceProfile:
             shares=dict(self.shares),
         )
 
-    def device_link(self, clock: DeviceClock, expert_weights: int | None, expert_bytes: int) -> DeviceLink:
-        """The clock's link for a model whose experts hold ``expert_weights`` weights (None: packed) in
-        ``expert_bytes`` here: an expert moves as the deployed model's (``self.expert_weights`` at
+    def device_scale(self, expert_weights: int | None, expert_bytes: int) -> float:
+        """The device's bytes per byte held here, for a model whose experts hold ``expert_weights`` weights (None:
+        packed) in ``expert_bytes``: an expert moves as the deployed model's (``self.expert_weights`` at
         ``weight_bytes``) where the profile names one, else at the device's bytes a weight, else as held."""
         if self.weight_bytes is None or expert_weights is None:
-            return DeviceLink(clock, 1.0)
-        return DeviceLink(clock, (self.expert_weights or expert_weights) * self.weight_bytes / expert_bytes)
+            return 1.0
+        return (self.expert_weights or expert_weights) * self.weight_bytes / expert_bytes
 
     def metering(self, expert_weights: int | None, hidden: int) -> Metering:
         """How the clock prices a model with experts of ``expert_weights`` weights and ``hidden`` dimensions: at the
@@ -146,18 +143,17 @@ PROFILES = {
         layer_weights=_LAYER_W,
         hidden=2048,
     ),
-    # measured here by `python -m m2r2_mlx.moe.insitu build/smollm2-moe` (2026-11-26): medians of four runs (the
-    # machine is noisy: 7.3-8.9 GB/s, a MoE layer's host work 150-192 us, a load's 281-554 us)
-    "cpu": DeviceProfile(
-        "cpu",
-        "this machine: 2 x86 cores, MLX's CPU backend, float32, the bench's default throttled link",
+    # measured here by `python -m m2r2_mlx.moe.insitu build/smollm2-moe`
+    "here": DeviceProfile(
+        "here",
+        "this machine: 2 x86 cores, MLX's CPU backend, float32, experts read from its disk (direct reads)",
         memory_gbps=8.1,
         bandwidth_share=1.0,
         tflops=0.044,
         launch_us=8.1,
         sync_us=163.0,
-        link_gbps=0.5,
-        latency_ms=0.05,
+        link_gbps=1.1,
+        latency_ms=0.03,
         weight_bytes=None,
         kv_bytes=None,
         fixed_us=(("matmul", 5.4), ("attention", 97.5), ("rope", 150.0), ("norm", 51.0), ("load", 514.0)),
@@ -171,13 +167,3 @@ def get_profile(name: str) -> DeviceProfile:
         return PROFILES[name]
     except KeyError:
         raise M2R2Error(f"unknown device profile {name!r}; choose one of: {', '.join(PROFILES)}") from None
-
-
-def link_for(ratio: float, expert_bytes: int, layer_ms: float, latency_share: float = 0.1) -> Link:
-    """A link on which one expert of ``expert_bytes`` takes ``ratio`` x ``layer_ms`` (this machine's layer time);
-    ``latency_share`` of it is per-transfer latency, the rest bandwidth."""
-    if not ratio > 0 or not layer_ms > 0:
-        raise M2R2Error(f"a link needs a positive transfer/compute ratio and layer time (got {ratio}, {layer_ms} ms)")
-    expert_ms = ratio * layer_ms
-    wire_s = expert_ms * (1 - latency_share) / 1e3
-    return Link(expert_bytes / wire_s / 1e9, expert_ms * latency_share)

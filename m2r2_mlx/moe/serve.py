@@ -1,8 +1,9 @@
 """Serve a loaded MoE model within an expert memory budget: what `m2r2-chat --memory-budget` does.
 
-The experts are exported once into m2r2's cache folder (keyed by the model's folder), then
-offloaded to a budgeted cache with a background loader and a predictor: next-layer
-pre-gating by default, or M2R2's fast stream when adapters for the model are given.
+The experts are exported once into m2r2's cache folder (keyed by the model's folder), then offloaded to a budgeted
+cache that reads them from the disk (direct reads, loader.py) with a predictor loading ahead: next-layer
+pre-gating by default, the lookahead maps where they are fitted, or M2R2's fast stream when adapters for the model
+are given.
 """
 
 from __future__ import annotations
@@ -13,28 +14,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.adapters import load_adapters
-from ..core.fast_stream import M2R2Model
 from ..errors import M2R2Error
 from ..models.registry import LoadedModel, cache_home
+from ..tracing import NO_TRACE, Tracer
 from .blocks import moe_blocks
+from .budget import resolve_slots
 from .cache import ExpertCache, parse_budget
-from .link import Link
 from .lookahead import LookaheadAdapters
 from .offload import offload_experts
 from .planner import PrefetchPlanner
-from .predictors import Predictor, PredictorInputs, build_predictor, get_predictor
-from .prefetch import DevicePrefetcher, Prefetcher
+from .predictors import PREDICTORS, Predictor, PredictorEntry, PredictorInputs, build_predictor, get_predictor
 from .store import ExpertStore
 
 
 @dataclass(frozen=True)
 class ExpertBudget:
-    """MoE models within a memory budget (``--memory-budget``): who loads experts ahead of time, and an emulated
-    link's speed; m2r2-chat's, m2r2-server's and m2r2-profile's."""
+    """MoE models within a memory budget (``--memory-budget``) and who loads experts ahead of time
+    (``--expert-predictor``): m2r2-chat's, m2r2-server's and m2r2-profile's."""
 
     budget: str
     predictor: str = "pregating"
-    link_gbps: float | None = None
 
 
 def store_folder(lm: LoadedModel) -> Path:
@@ -47,7 +46,8 @@ def store_folder(lm: LoadedModel) -> Path:
 
 
 def exported_store(lm: LoadedModel, folder: Path | None = None) -> ExpertStore:
-    """``lm``'s expert store in ``folder`` (default ``store_folder``), exported there first if it is not."""
+    """``lm``'s expert store in ``folder`` (default ``store_folder``), exported there first if it is not (or is
+    of an older format)."""
     folder = folder or store_folder(lm)
     if not ExpertStore.finished(folder):
         print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
@@ -59,16 +59,15 @@ def exported_store(lm: LoadedModel, folder: Path | None = None) -> ExpertStore:
 
 
 def serve_with_budget(
-    lm: LoadedModel, budget: str, *, predictor: str = "pregating", adapters=None, link_gbps: float | None = None
+    lm: LoadedModel, budget: str, *, predictor: str = "pregating", adapters=None, tracer: Tracer = NO_TRACE
 ) -> ExpertCache:
-    """Offload ``lm``'s experts to a cache of ``budget`` ("25%", "2GB", 0.25); returns the cache."""
+    """Offload ``lm``'s experts to a cache of ``budget`` ("25%", "2GB", 0.25) with the named predictor attached;
+    returns the cache (its waits for loads run through ``tracer``, as "expert-stall")."""
     if not moe_blocks(lm.model):
         raise M2R2Error(
             f"--memory-budget applies to mixture-of-experts models (e.g. --model olmoe); {lm.name} has no experts"
         )
     entry = get_predictor(predictor)
-    if entry.needs_trace:
-        raise M2R2Error(f"--expert-predictor {predictor} replays a recorded run; serving has none to replay")
     parse_budget(budget)  # bad input fails before the (possibly long) export
     m2r2 = None
     if entry.needs_adapters:
@@ -77,35 +76,22 @@ def serve_with_budget(
         m2r2 = load_adapters(lm, adapters)
     store = exported_store(lm)
     lookahead = LookaheadAdapters.load(lm.path) if entry.needs_lookahead else None
-    cache = offload_experts(lm.model, store, budget, link=Link(link_gbps) if link_gbps is not None else None)
-    attach_predictor(cache, predictor, m2r2, lookahead=lookahead)
+    cache, _ = offload_with_predictor(lm.model, store, budget, entry, PredictorInputs(m2r2, lookahead), tracer=tracer)
     return cache
 
 
-def attach_predictor(
-    cache: ExpertCache,
-    predictor: str,
-    m2r2: M2R2Model | None = None,
-    intervals: int | None = None,
-    trace: dict[tuple[int, int], list[int]] | None = None,
-    lookahead=None,
-) -> Predictor:
-    """The named predictor (predictors.PREDICTORS) attached to ``cache``, with a background loader where it loads
-    ahead. ``m2r2``: the loaded adapters, for the M2R2 predictors; ``intervals``: how many gate intervals the
-    run-ahead fast stream runs in (default all); ``trace``: the recorded run the oracle replays; ``lookahead``: the
-    model's lookahead adapters (lookahead.py). A cache that holds every expert loads nothing: predicting there
-    only costs, so it gets no predictor."""
-    entry = get_predictor(predictor)  # an unknown name is one line, whatever the budget
-    if cache.holds_every_expert:
-        predictor, entry = "none", get_predictor("none")
-    built = build_predictor(
-        predictor, PredictorInputs(m2r2=m2r2, intervals=intervals, trace=trace, lookahead=lookahead)
-    )
-    if entry.loads_ahead:
-        (DevicePrefetcher if cache.clock.modelled else Prefetcher)(cache)
-    if entry.planned:
-        PrefetchPlanner().attach(cache)
-    return built.attach(cache)
+def offload_with_predictor(
+    model, store: ExpertStore, budget, entry: PredictorEntry, inputs: PredictorInputs = PredictorInputs(), **cache
+) -> tuple[ExpertCache, Predictor]:
+    """``model``'s experts served from ``store`` within ``budget`` (``offload_experts``, with ``cache``'s
+    arguments) and ``entry``'s predictor attached, with a planner where the entry is planned. A budget that holds
+    every expert loads nothing: predicting there only costs, so it gets no predictor."""
+    if all(s >= store.num_experts(l) for l, s in resolve_slots(budget, store).items()):
+        entry = PREDICTORS["none"]
+    predictor = build_predictor(entry, inputs)  # what it needs is checked before anything is built
+    planner = PrefetchPlanner() if entry.planned else None
+    built = offload_experts(model, store, budget, planner=planner, **cache)
+    return built, predictor.attach(built)
 
 
 def budget_line(cache: ExpertCache, width: int = 20) -> str:

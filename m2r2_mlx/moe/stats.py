@@ -15,7 +15,7 @@ def _ratio(a: float, b: float) -> float:
 @dataclass
 class LayerStats:
     hits: int = 0  # experts a forward pass needed that were resident (prefetched ones included)
-    misses: int = 0  # experts loaded on demand while the forward pass waited
+    misses: int = 0  # experts read on demand while the forward pass waited
     bytes_on_demand: int = 0  # = misses x expert bytes
     prefetch_loads: int = 0  # experts the prefetcher brought in
     prefetch_bytes: int = 0
@@ -44,8 +44,9 @@ class LayerStats:
 class CacheStats:
     tokens: int = 0  # tokens through the first MoE layer (a prompt counts all its tokens)
     steps: int = 0  # forward passes
-    stall_s: float = 0.0  # time the forward pass waited on the cache: loads, in-flight prefetches, copies into slots
-    prefetch_dropped: int = 0  # requests the loader skipped because the pass had already gone past their layer
+    stall_s: float = 0.0  # time the forward pass waited on the cache: reads, in-flight prefetches, copies into slots
+    prefetch_dropped: int = 0  # queued prefetches cancelled unread: their layer came without needing them, or a newer
+    # prediction for it no longer named them
     layers: dict[int, LayerStats] = field(default_factory=dict)
 
     def layer(self, layer: int) -> LayerStats:
@@ -126,3 +127,86 @@ class CacheStats:
                 for l, s in sorted(self.layers.items())
             },
         }
+
+
+class Ledger:
+    """An expert cache's accounting: the counters (``stats``), the predictions not yet scored, which resident
+    experts came in as prefetches and are still unused, which experts a prefetch evicted, and (where asked for) the
+    experts each (step, layer) used (``trace``)."""
+
+    def __init__(self, layers: list[int]):
+        self.stats = CacheStats()
+        self.predictions: dict[tuple[int, int], set[int]] = {}  # (step, layer) -> experts predicted, not yet scored
+        self._unused_prefetch: dict[int, set[int]] = {l: set() for l in layers}
+        self._evicted_ahead: dict[int, set[int]] = {l: set() for l in layers}  # evicted by a prefetch, not back
+        self.trace: dict[tuple[int, int], list[int]] | None = None  # {} records the experts used per (step, layer)
+
+    def new_step(self, step: int, tokens: int) -> None:
+        self.stats.steps += 1
+        self.stats.tokens += tokens
+        self.predictions = {k: v for k, v in self.predictions.items() if k[0] >= step}
+
+    def predicted(self, step: int, layer: int, experts: list[int]) -> None:
+        self.predictions.setdefault((step, layer), set()).update(experts)
+
+    def score(self, step: int, layer: int, needed: list[int]) -> None:
+        """``layer`` uses ``needed`` at ``step``: the prediction for it is scored, the trace records it."""
+        predicted = self.predictions.pop((step, layer), None)
+        if predicted is not None:
+            st = self.stats.layer(layer)
+            st.predicted += len(predicted)
+            st.predicted_used += len(predicted.intersection(needed))
+            st.used_when_predicted += len(needed)
+        if self.trace is not None:
+            self.trace[(step, layer)] = needed
+
+    def hit(self, layer: int, expert: int) -> None:
+        st = self.stats.layer(layer)
+        st.hits += 1
+        if expert in self._unused_prefetch[layer]:
+            self._unused_prefetch[layer].discard(expert)
+            st.prefetch_hits += 1
+
+    def miss(self, layer: int, expert: int, nbytes: int) -> None:
+        st = self.stats.layer(layer)
+        st.misses += 1
+        st.evicted_ahead_missed += expert in self._evicted_ahead[layer]
+        st.bytes_on_demand += nbytes
+
+    def prefetch_arrived(self, layer: int, nbytes: int, installed: bool) -> None:
+        st = self.stats.layer(layer)
+        st.prefetch_loads += 1
+        st.prefetch_bytes += nbytes
+        st.prefetch_wasted += not installed
+
+    def evicted(self, layer: int, victim: int, by_prefetch: bool) -> None:
+        if by_prefetch:
+            self._evicted_ahead[layer].add(victim)
+        if victim in self._unused_prefetch[layer]:
+            self._unused_prefetch[layer].discard(victim)
+            self.stats.layer(layer).prefetch_wasted += 1
+
+    def installed(self, layer: int, expert: int, prefetched: bool) -> None:
+        self._evicted_ahead[layer].discard(expert)
+        if prefetched:
+            self._unused_prefetch[layer].add(expert)
+
+    def late(self, layer: int, n: int) -> None:
+        """``n`` experts the pass needed were still being read as prefetches: it waited for them."""
+        self.stats.layer(layer).late_prefetches += n
+
+    def cancelled(self, n: int) -> None:
+        """``n`` queued prefetches were cancelled before they were read."""
+        self.stats.prefetch_dropped += n
+
+    def stalled(self, seconds: float) -> None:
+        self.stats.stall_s += seconds
+
+    def reset(self) -> None:
+        """Zero the counters and forget the predictions (resident experts stay what they are)."""
+        self.stats.reset()
+        self.predictions.clear()
+        for unused in self._unused_prefetch.values():
+            unused.clear()
+        if self.trace is not None:
+            self.trace = {}

@@ -1,18 +1,18 @@
-"""Expert weights on disk: one safetensors file per MoE layer, memory-mapped, checksummed.
+"""Expert weights on disk: one safetensors file per MoE layer, each expert one checksummed byte range.
 
 Layout of a store folder::
 
     experts.json            manifest: per layer the file, its size, the tensors of one expert,
-                            and each expert's byte range and CRC-32
+                            and each expert's byte range and checksum (xxh3-64; crc32 in version 1)
     layer_003.safetensors   tensors ``<prefix>.experts.<e>.<proj>.<param>``, expert-major, so
                             one expert is one contiguous byte range (one read, one checksum)
     complete.json           written last: each file's size, mtime and sha256 (checksums.seal);
                             sizes and mtimes are checked at open, everything by m2r2-cache verify
 
-The files are ordinary safetensors (``mx.load`` and the ``safetensors`` package read them);
-this module writes and parses them itself so bfloat16 needs no framework and each expert's
-bytes can be located without loading anything else. Reads go through ``np.memmap``: the
-operating system pages in only the experts that are asked for.
+The files are ordinary safetensors (``mx.load`` and the ``safetensors`` package read them); this module writes and
+parses them itself so bfloat16 needs no framework and each expert's bytes can be located without loading anything
+else. ``open`` checks every file's size and header against the manifest, so a truncated or altered file is refused
+there, naming it; each read checks the expert's checksum on the bytes read (reader.py reads them).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
 import zlib
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 from mlx.utils import tree_map
 from tqdm.auto import tqdm
 
@@ -35,7 +37,8 @@ from .blocks import expert_params, module_path, moe_blocks, top_k
 
 MANIFEST = "experts.json"
 FORMAT = "m2r2-expert-store"
-VERSION = 1
+VERSION = 2  # 2: xxh3-64 checksums (a fraction of crc32's CPU time a read); 1: crc32, still read
+CHECKSUMS = {"xxh3_64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}  # per-expert field -> function of bytes
 log = logging.getLogger("m2r2")
 _noted: set[Path] = set()  # stores without a completion record, noted once each
 REEXPORT = "re-export the store (python -m m2r2_mlx.moe export --model MODEL -o FOLDER --force)"
@@ -115,13 +118,10 @@ def _write_layer(path: Path, prefix: str, params: dict[str, mx.array]) -> dict:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for e in range(num_experts):
-            crc, size = 0, 0
-            for a in arrays.values():
-                b = np.ascontiguousarray(a[e]).tobytes()
-                crc, size = zlib.crc32(b, crc), size + len(b)
-                f.write(b)
-            experts.append({"offset": start, "bytes": size, "crc32": crc})
-            start += size
+            data = b"".join(np.ascontiguousarray(a[e]).tobytes() for a in arrays.values())
+            f.write(data)
+            experts.append({"offset": start, "bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)})
+            start += len(data)
     return {
         "file": path.name,
         "file_bytes": path.stat().st_size,
@@ -134,7 +134,7 @@ def _write_layer(path: Path, prefix: str, params: dict[str, mx.array]) -> dict:
 
 def _check_files(folder: Path) -> None:
     """Sizes and mtimes against the export's record (a file whose mtime moved is hashed again); a store exported
-    before records were kept opens with one note line, its experts still checked by their CRC-32 at each read."""
+    before records were kept opens with one note line, its experts still checked by their checksums at each read."""
     check = check_folder(folder)
     if check.state == "damaged":
         raise M2R2Error(f"the expert store in {folder} is damaged: {check.detail}; {REEXPORT}")
@@ -149,14 +149,53 @@ def _check_files(folder: Path) -> None:
         )
 
 
-class ExpertStore:
-    """A folder of exported expert weights, memory-mapped and verified before use."""
+def _int(value, what: str, low: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{what} is {value!r}, not an integer of at least {low}")
+    return value
 
-    def __init__(self, folder: Path, manifest: dict, maps: dict[int, np.memmap]):
+
+def _check_entry(entry: dict) -> None:
+    """One layer's manifest entry is well-formed and self-consistent (types, sizes, byte ranges inside the file)."""
+    _int(entry["layer"], "a layer index")
+    if entry["top_k"] is not None:
+        _int(entry["top_k"], "top_k", 1)
+    name = entry["file"]
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+        raise ValueError(f"layer file {name!r} is not a file name in the folder")
+    if not isinstance(entry["prefix"], str):
+        raise ValueError("a layer prefix is not a string")
+    size, n = _int(entry["file_bytes"], "a file size", 8), _int(entry["num_experts"], "num_experts", 1)
+    expert_bytes = 0
+    for p in entry["params"]:
+        if not isinstance(p["name"], str) or p["dtype"] not in _NP or not isinstance(p["shape"], list):
+            raise ValueError(f"parameter {p!r} is not a name, a known dtype and a shape")
+        expert_bytes += (
+            int(np.prod([_int(d, "a dimension") for d in p["shape"]], dtype=np.int64))
+            * np.dtype(_NP[p["dtype"]]).itemsize
+        )
+    experts = entry["experts"]
+    if not entry["params"] or not isinstance(experts, list) or len(experts) != n:
+        raise ValueError(f"layer {entry['layer']} lists {len(experts)} experts and {len(entry['params'])} tensors")
+    for ex in experts:
+        offset = _int(ex["offset"], "an expert offset", 8)
+        if _int(ex["bytes"], "an expert size") != expert_bytes or offset + expert_bytes > size:
+            raise ValueError(f"an expert's byte range {offset}+{ex['bytes']} does not fit its tensors or its file")
+        if not [k for k in CHECKSUMS if isinstance(ex.get(k), int)]:
+            raise ValueError("an expert has no checksum")
+
+
+class ExpertStore:
+    """A folder of exported expert weights, verified at open and at each read (see the module docstring)."""
+
+    reexport = REEXPORT
+
+    def __init__(self, folder: Path, manifest: dict):
         self.folder = folder
         self.manifest = manifest
         self._layers = {entry["layer"]: entry for entry in manifest["layers"]}
-        self._maps = maps
+        self._readers: dict = {}  # io mode -> (ExpertReader, Buffer, lock): ``read``'s own
+        self._lock = threading.Lock()
 
     # -- writing -------------------------------------------------------------------------
 
@@ -195,15 +234,22 @@ class ExpertStore:
 
     @staticmethod
     def finished(folder: str | Path) -> bool:
-        """True when an export into ``folder`` completed (its completion record is there); an export killed
-        half-way leaves none, and is done again."""
-        return read_record(Path(folder).expanduser()) is not None
+        """True when an export into ``folder`` completed in this version's format (its completion record is there);
+        an export killed half-way leaves none, and is done again, as is a store of an older version."""
+        folder = Path(folder).expanduser()
+        if read_record(folder) is None:
+            return False
+        try:
+            return json.loads((folder / MANIFEST).read_text()).get("version") == VERSION
+        except (OSError, ValueError, AttributeError):
+            return False
 
     # -- reading -------------------------------------------------------------------------
 
     @staticmethod
     def open(folder: str | Path) -> "ExpertStore":
-        """Map a store's files; sizes and headers are checked now, expert bytes at each read."""
+        """Check a store's manifest, and each file's size and header against it; expert bytes are checked at each
+        read."""
         folder = Path(folder).expanduser()
         path = folder / MANIFEST
         if not path.is_file():
@@ -214,17 +260,22 @@ class ExpertStore:
         _check_files(folder)
         try:
             manifest = json.loads(path.read_text())
-            if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
                 raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}")
-            maps = {entry["layer"]: ExpertStore._map_layer(folder, entry) for entry in manifest["layers"]}
-        except M2R2Error:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            if not isinstance(manifest["layers"], list) or not manifest["layers"]:
+                raise ValueError("it lists no layers")
+            for entry in manifest["layers"]:
+                _check_entry(entry)
+            if len({entry["layer"] for entry in manifest["layers"]}) != len(manifest["layers"]):
+                raise ValueError("a layer is listed twice")
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
             raise M2R2Error(f"{path} is not a valid expert store manifest ({e}); {REEXPORT}") from None
-        return ExpertStore(folder, manifest, maps)
+        for entry in manifest["layers"]:
+            ExpertStore._check_layer(folder, entry)
+        return ExpertStore(folder, manifest)
 
     @staticmethod
-    def _map_layer(folder: Path, entry: dict) -> np.memmap:
+    def _check_layer(folder: Path, entry: dict) -> None:
         path = folder / entry["file"]
         if not path.is_file():
             raise M2R2Error(f"expert file {path} is missing; {REEXPORT}")
@@ -238,29 +289,29 @@ class ExpertStore:
             (n,) = struct.unpack("<Q", f.read(8))
             try:
                 header = json.loads(f.read(n)) if n < size else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 header = None
-        if header is None or not ExpertStore._header_matches(header, entry):
+        if not isinstance(header, dict) or not ExpertStore._header_matches(header, entry, 8 + n):
             raise M2R2Error(f"expert file {path} has a header that does not match {MANIFEST} (altered); {REEXPORT}")
-        return np.memmap(path, dtype=np.uint8, mode="r")
 
     @staticmethod
-    def _header_matches(header: dict, entry: dict) -> bool:
+    def _header_matches(header: dict, entry: dict, data_start: int) -> bool:
         """Every tensor the manifest expects sits where the manifest says, with its dtype and shape."""
-        base = None
-        for e, ex in enumerate(entry["experts"]):
-            offset = ex["offset"]
-            for p in entry["params"]:
-                t = header.get(f"{entry['prefix']}.experts.{e}.{p['name']}")
-                if t is None or t["dtype"] != p["dtype"] or t["shape"] != p["shape"]:
+        try:
+            for e, ex in enumerate(entry["experts"]):
+                offset = ex["offset"]
+                for p in entry["params"]:
+                    t = header.get(f"{entry['prefix']}.experts.{e}.{p['name']}")
+                    if not isinstance(t, dict) or t.get("dtype") != p["dtype"] or t.get("shape") != p["shape"]:
+                        return False
+                    begin, end = t["data_offsets"]
+                    if data_start + begin != offset:
+                        return False
+                    offset += end - begin
+                if offset != ex["offset"] + ex["bytes"]:
                     return False
-                begin, end = t["data_offsets"]
-                base = offset - begin if base is None else base  # data section start, fixed per file
-                if base + begin != offset:
-                    return False
-                offset += end - begin
-            if offset != ex["offset"] + ex["bytes"]:
-                return False
+        except (KeyError, TypeError, ValueError):
+            return False
         return True
 
     @property
@@ -281,6 +332,15 @@ class ExpertStore:
         """One expert's tensors: ``[{"name", "shape", "dtype"}]`` in file order."""
         return self._layers[layer]["params"]
 
+    def path(self, layer: int) -> Path:
+        """The layer's file."""
+        return self.folder / self._layers[layer]["file"]
+
+    def span(self, layer: int, expert: int) -> tuple[int, int]:
+        """(offset, bytes) of one expert in its layer's file."""
+        ex = self._layers[layer]["experts"][expert]
+        return ex["offset"], ex["bytes"]
+
     def expert_bytes(self, layer: int | None = None) -> int:
         """Bytes of one expert of ``layer`` (default: the largest over layers)."""
         if layer is None:
@@ -295,15 +355,12 @@ class ExpertStore:
             return None
         return sum(int(np.prod(p["shape"])) for p in params if p["name"].endswith("weight"))
 
-    def read(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        """Copy one expert's tensors out of the mapped file, after checking their CRC-32.
-
-        The check runs on the copy, so the bytes that are checked are the bytes that are used.
-        """
+    def parse(self, layer: int, expert: int, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """An expert's bytes (uint8, as read) checked against its checksum, as its tensors (views into ``raw``)."""
         entry = self._layers[layer]
         ex = entry["experts"][expert]
-        raw = np.array(self._maps[layer][ex["offset"] : ex["offset"] + ex["bytes"]])
-        if zlib.crc32(raw) != ex["crc32"]:
+        kind = next(k for k in CHECKSUMS if k in ex)
+        if CHECKSUMS[kind](raw) != ex[kind]:
             raise M2R2Error(
                 f"expert {expert} of layer {layer} in {self.folder / entry['file']} fails its checksum "
                 f"(the file was altered or damaged); {REEXPORT}"
@@ -315,6 +372,26 @@ class ExpertStore:
             out[p["name"]] = raw[pos : pos + n].view(dtype).reshape(p["shape"])
             pos += n
         return out
+
+    def read(self, layer: int, expert: int, io: str = "direct") -> dict[str, np.ndarray]:
+        """One expert's tensors, read and verified (reader.py), as arrays of their own: for reads outside a cache's
+        loader (the warm start, ``verify``, a device clock's loads)."""
+        from .reader import Buffer, ExpertReader
+
+        with self._lock:
+            if io not in self._readers:
+                reader = ExpertReader(self, io)
+                self._readers[io] = (reader, Buffer(reader.span_bytes))
+            reader, buffer = self._readers[io]
+            return {k: np.array(v) for k, v in reader.read(layer, expert, buffer).items()}
+
+    def close(self) -> None:
+        """Close the files ``read`` opened."""
+        with self._lock:
+            for reader, buffer in self._readers.values():
+                reader.close()
+                buffer.close()
+            self._readers.clear()
 
     def to_mlx(self, layer: int, arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
         codes = {p["name"]: p["dtype"] for p in self.params(layer)}
