@@ -69,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (as m2r2-chat)",
     )
     p.add_argument("--expert-predictor", default="pregating", choices=SERVED_PREDICTORS, help="with --memory-budget")
-    p.add_argument("--link-gbps", type=float, default=None, help="with --memory-budget: throttle expert loads")
     p.add_argument(
         "--trace",
         default=None,

@@ -80,7 +80,7 @@ def profile_config(values: dict) -> ProfileConfig:
     experts = None
     if values.get("memory_budget") is not None:
         parse_budget(values["memory_budget"])  # one line for a bad budget, before loading anything
-        experts = ExpertBudget(values["memory_budget"], values["expert_predictor"], values.get("link_gbps"))
+        experts = ExpertBudget(values["memory_budget"], values["expert_predictor"])
     model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
     out = Path(values["out"]) if values.get("out") else None
     return ProfileConfig(

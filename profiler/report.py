@@ -79,13 +79,13 @@ def _forwards(s: dict) -> list[str]:
 
 def _experts(s: dict) -> list[str]:
     lines = [
-        "| run | loads per token | stall ms per token | link busy ms per token | MB per token | hit rate |",
+        "| run | loads per token | stall ms per token | reads busy ms per token | MB read per token | hit rate |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for run, e in s["experts"].items():
         lines.append(
             f"| {run} | {e['loads_per_token']:.2f} | {e['stall_ms_per_token']:.2f} | "
-            f"{e['link_busy_ms_per_token']:.2f} | {e['mb_per_token']:.2f} | {e['hit_rate']:.1%} |"
+            f"{e['read_busy_ms_per_token']:.2f} | {e['mb_per_token']:.2f} | {e['hit_rate']:.1%} |"
         )
     return lines
 

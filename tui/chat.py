@@ -72,12 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
         + "; ".join(f"{n}: {PREDICTORS[n].help}" for n in SERVED_PREDICTORS)
         + " (default: pregating)",
     )
-    p.add_argument(
-        "--link-gbps",
-        type=float,
-        default=None,
-        help="with --memory-budget: throttle expert loads to this many GB/s (emulates a discrete GPU)",
-    )
     return p
 
 
@@ -92,7 +86,7 @@ def chat_setup(values: dict) -> ChatSetup:
     model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
     experts = None
     if values["memory_budget"] is not None:
-        experts = ExpertBudget(values["memory_budget"], values["expert_predictor"], values["link_gbps"])
+        experts = ExpertBudget(values["memory_budget"], values["expert_predictor"])
     return ChatSetup(model, None if folder is None else str(folder), options, values["system_prompt"], experts)
 
 

@@ -41,9 +41,7 @@ def make_session(setup: ChatSetup, lm) -> ChatSession:
     # LoRA adapters attach to
     if setup.experts is not None:
         e = setup.experts
-        expert_cache = serve_with_budget(
-            lm, e.budget, predictor=e.predictor, adapters=setup.adapters, link_gbps=e.link_gbps
-        )
+        expert_cache = serve_with_budget(lm, e.budget, predictor=e.predictor, adapters=setup.adapters)
     return ChatSession(
         lm, system_prompt=setup.system_prompt, decoder=decoder, expert_cache=expert_cache, kv=setup.options.kv
     )
