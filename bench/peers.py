@@ -12,7 +12,7 @@ import time
 from typing import Iterator, Sequence
 
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.events import EventStream, TokenEvent
+from m2r2_mlx.decoding.events import EventStream, SpecStep, TokenEvent
 
 import mlx.core as mx
 from mlx_lm import stream_generate
@@ -41,7 +41,9 @@ class MlxLmDecoder:
         events = EventStream(tokenizer, self.lm.num_layers, len(prompt), len(prompt), n, time.perf_counter())
         sampler = generation.sampling.sampler()
         for r in stream_generate(self.lm.model, tokenizer, list(prompt), max_tokens=n, sampler=sampler, **extra):
-            ev = events.event(r.token, drafted=bool(getattr(r, "from_draft", False)))
+            drafted = bool(getattr(r, "from_draft", False))
+            spec = SpecStep("draft model", self.lm.num_layers, "") if drafted else None
+            ev = events.event(r.token, spec=spec)
             yield ev
             if ev.finish_reason:
                 return

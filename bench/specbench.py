@@ -17,7 +17,6 @@ JSONL per method, a markdown table and a PNG into --out.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -25,14 +24,15 @@ from pathlib import Path
 
 import m2r2_mlx  # (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.config import DRAFT_DEFAULTS, DRAFT_VOCAB, GenerationConfig
+from m2r2_mlx.decoding.config import DRAFT_VOCAB, DecodeConfig, GenerationConfig
+from m2r2_mlx.decoding.options import BY_DEST, named
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
 
 from tqdm.auto import tqdm
 
-from .methods import METHODS, MethodSettings, make_method, make_methods, method_names, run_turns
+from .methods import BENCH_METHODS, LOSSLESS, MethodSettings, make_method, make_methods, method_names, run_turns
 from .questions import CATEGORIES, ORDERS, SPECBENCH, file_categories, ordered, select_questions
 from .report import answers_table, plot, summarise, table, write_answers
 
@@ -69,9 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default="plain,mlx-lm,speculative,fast,lookup",
-        help=f"comma-separated, from: {', '.join(METHODS)} (mlx-lm-spec is added by --draft-model)",
+        help=f"comma-separated, from: {', '.join(BENCH_METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
-    p.add_argument("-m", "--max-tokens", type=int, default=256, help="most new tokens per turn (default 256)")
+    p.add_argument(
+        "-m",
+        "--max-tokens",
+        type=int,
+        default=GenerationConfig.max_tokens,
+        help=f"most new tokens per turn (default {GenerationConfig.max_tokens})",
+    )
     p.add_argument(
         "--temperature",
         "--temp",
@@ -89,16 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-draft-tokens",
         type=int,
         default=None,
-        help=f"most drafted tokens per step (default: speculative {DRAFT_DEFAULTS['cost'].max_draft}, chosen per "
-        f"step by its cost planner; the others {DRAFT_DEFAULTS['always'].max_draft})",
+        help=BY_DEST["draft"].help_text,
     )
     p.add_argument(
         "--threshold",
         "--draft-p-min",
         type=float,
         default=None,
-        help=f"fast and layerskip: stop drafting below this draft confidence (default "
-        f"{DRAFT_DEFAULTS['always'].threshold})",
+        help=BY_DEST["threshold"].help_text + "; layerskip takes fast's",
     )
     p.add_argument(
         "--draft-vocab",
@@ -106,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"M2R2 draft head over the N most frequent tokens (default {DRAFT_VOCAB} where available; 0 = full)",
     )
+    p.add_argument("--tau", type=float, default=DecodeConfig.tau, help="early-exit: " + BY_DEST["tau"].help_text)
     p.add_argument("--draft-model", default=None, help="a small model for mlx-lm's two-model speculative decoding")
     p.add_argument(
         "--out",
@@ -163,7 +168,7 @@ def run(lm, questions: list[dict], names: list[str], settings: MethodSettings, p
                     "question_id": q["question_id"],
                     "category": q["category"],
                     "turns": turns,
-                    "same_as_plain": tokens == ref if plan.greedy else None,
+                    "same_as_plain": tokens == ref if plan.greedy and name in LOSSLESS else None,
                 }
             )
             bar.update()
@@ -173,19 +178,21 @@ def run(lm, questions: list[dict], names: list[str], settings: MethodSettings, p
 
 def _main() -> int:
     args = build_parser().parse_args()
-    if args.max_tokens < 2 or args.turns < 1 or (args.draft is not None and args.draft < 1):
-        raise M2R2Error("--max-tokens must be at least 2, --turns and --draft at least 1")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0) or not 0 < args.top_p <= 1:
-        raise M2R2Error(
-            f"--temperature must be 0 (greedy) or positive and --top-p in (0, 1] (got {args.temperature}, {args.top_p})"
+    if args.turns < 1:
+        raise M2R2Error(f"--turns must be at least 1 (got {args.turns})")
+    with named():  # the configs check the ranges, and name the flag
+        generation = GenerationConfig.create(args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+        DecodeConfig(
+            gate=args.gate, max_draft=args.draft, threshold=args.threshold, draft_vocab=args.draft_vocab, tau=args.tau
         )
-    generation = GenerationConfig.create(args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     plan = RunPlan(generation, args.turns, args.seed, args.fresh)
     questions = ordered(select_questions(args.questions, args.categories, args.limit), args.order, args.seed)
     if not questions:
         raise M2R2Error("no questions selected; check --categories and --limit")
     names = method_names(args.methods, args.draft_model)
-    settings = MethodSettings(args.adapters, args.gate, args.draft, args.threshold, args.draft_vocab, args.draft_model)
+    settings = MethodSettings(
+        args.adapters, args.gate, args.draft, args.threshold, args.draft_vocab, args.draft_model, args.tau
+    )
     lm = load_model(args.model)
     order = f"order {args.order}" + (f" (seed {args.seed})" if args.order == "shuffled" else "")
     engines = "a fresh decoder per question" if args.fresh else "one decoder per method for the whole run"
@@ -220,6 +227,10 @@ def main() -> None:
         from m2r2_bench import moe_bench
 
         return moe_bench.main([a for a in sys.argv[1:] if a != "--moe"])
+    if "--tools" in sys.argv[1:]:  # tool calls with a known right call (bench/tools_eval.py)
+        from m2r2_bench import tools_eval
+
+        sys.exit(tools_eval.main([a for a in sys.argv[1:] if a != "--tools"]))
     if "--structured" in sys.argv[1:]:  # JSON extraction under schemas (bench/structured.py)
         from m2r2_bench import structured
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.config import DRAFT_DEFAULTS, DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.drafters import ForcedDrafter
 from m2r2_mlx.decoding.grammar import json_schema_grammar
+from m2r2_mlx.decoding.methods import METHODS as USER_METHODS
+from m2r2_mlx.decoding.methods import make_decoder, speculative_engine
 from m2r2_mlx.decoding.planner import VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.speculative import Speculator
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -37,15 +37,16 @@ from m2r2_mlx.models.registry import load_model
 import jsonschema
 from tqdm.auto import tqdm
 
+from .methods import layerskip
 from .questions import ORDERS, ordered
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "extraction.jsonl"
-METHODS = {  # name -> decoder config; "plain" first: every speedup is over it
+STRUCTURED_METHODS = {  # name -> decoder config; "plain" first: every speedup is over it
     "plain": DecodeConfig("plain"),
     "lookup": DecodeConfig("lookup"),
     "speculative": DecodeConfig("speculative"),
     "early-exit": DecodeConfig("early-exit"),
-    "layerskip": DecodeConfig("layerskip"),
+    "layerskip": DecodeConfig("plain"),  # bench.methods.layerskip
     "forced": None,  # the grammar's forced text alone, every proposal verified: what the forced drafter gives
 }
 DEFAULT_METHODS = "plain,lookup,speculative,early-exit"
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help=f"comma-separated, of: {', '.join(METHODS)} (default: {DEFAULT_METHODS})",
+        help=f"comma-separated, of: {', '.join(STRUCTURED_METHODS)} (default: {DEFAULT_METHODS})",
     )
     p.add_argument("--order", choices=ORDERS, default="given", help="the order prompts are asked in")
     p.add_argument("--seed", type=int, default=0, help="the shuffled order's seed")
@@ -79,11 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 def make_method(lm, name: str, adapters: str | None):
     if name == "forced":
         forced = ForcedDrafter()
-        limit = DRAFT_DEFAULTS["cost"].max_draft
-        return Speculator(
-            lm.model, lm.tokenizer, [forced], VerifyAll([forced]), max_draft=limit, context_length=lm.context_length
-        )
-    return make_decoder(lm, METHODS[name], adapters)
+        limit = USER_METHODS["speculative"].max_draft
+        return speculative_engine(lm, [], VerifyAll([forced]), max_draft=limit, name="forced")
+    if name == "layerskip":
+        return layerskip(lm, STRUCTURED_METHODS[name], adapters)
+    return make_decoder(lm, STRUCTURED_METHODS[name], adapters)
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -158,9 +159,9 @@ def summarise(records: dict[str, list[dict]], names: list[str]) -> str:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
+    bad = [m for m in names if m not in STRUCTURED_METHODS]
     if bad:
-        raise M2R2Error(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+        raise M2R2Error(f"unknown methods {bad}; choose from {', '.join(STRUCTURED_METHODS)}")
     names = names if "plain" in names else ["plain", *names]
     prompts = ordered(read_prompts(args.prompts), args.order, args.seed)[: args.limit]
     lm = load_model(args.model)

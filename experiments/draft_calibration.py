@@ -24,16 +24,18 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.decoders import make_drafter
 from m2r2_mlx.decoding.draft import Draft
+from m2r2_mlx.decoding.methods import fast_drafter
+from m2r2_mlx.decoding.planner import VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.protocols import DraftRequest
 from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.speculative import speculative_generate
+from m2r2_mlx.decoding.speculative import Speculator, SpeculatorSettings
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
+from m2r2_mlx.tracing import Tracer
 
 import mlx.core as mx
 from tqdm.auto import tqdm
@@ -41,6 +43,27 @@ from tqdm.auto import tqdm
 from m2r2_bench.questions import SPECBENCH, select_questions
 
 EDGES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0001]
+
+
+class Watch(Tracer):
+    """Before each draft: the full model's probability of the token the draft follows (the last forward's row after
+    the drafts it accepted, or the prefill's last row before the first step), and the drafter's first draft's."""
+
+    def __init__(self, drafter, stats: AnswerStats):
+        self.drafter, self.stats, self.logits = drafter, stats, None
+        self.confs: list[float | None] = []
+        self.before: list[float] = []
+
+    def call(self, kind, fn, *args, **kwargs):
+        if kind == "draft":
+            draft, cache = args[0], args[1].cache
+            row = self.stats.accept_lengths[-1] - 1 if self.stats.accept_lengths else -1
+            self.before.append(mx.softmax(self.logits[row].astype(mx.float32)).max().item())
+            self.confs.append(first_draft_probability(self.drafter, cache, draft.tokens[-1]))
+        out = fn(*args, **kwargs)
+        if kind == "forward":
+            self.logits = out
+        return out
 
 
 def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[list[tuple[float, bool]], list]:
@@ -52,29 +75,12 @@ def acceptance_by_confidence(lm, drafter, questions, max_tokens: int) -> tuple[l
         prompt = lm.tokenizer.apply_chat_template(
             [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True
         )
-        cache, confs, before, stats = PromptCache(lm.model), [], [], AnswerStats()
-        forward, original, last = cache.forward, drafter.propose, {}
-
-        def keep_logits(tokens):
-            last["logits"] = forward(tokens)
-            return last["logits"]
-
-        def propose(draft, request):
-            # the root came from the last forward's row after the drafts it accepted (the step's length - 1), or
-            # from the prefill's last row before the first step
-            row = stats.accept_lengths[-1] - 1 if stats.accept_lengths else -1
-            before.append(mx.softmax(last["logits"][row].astype(mx.float32)).max().item())
-            confs.append(first_draft_probability(drafter, cache, draft.tokens[-1]))
-            return original(draft, request)
-
-        cache.forward, drafter.propose = keep_logits, propose
-        try:  # each step's length is known (its last event read) before the next step drafts
-            for ev in speculative_generate(
-                lm.model, lm.tokenizer, prompt, drafter, GenerationConfig(max_tokens), cache=cache, max_draft=1
-            ):
-                stats.add(ev)
-        finally:
-            del drafter.propose
+        watch = Watch(drafter, AnswerStats())
+        cache, stats = PromptCache(lm.model, tracer=watch), watch.stats
+        engine = Speculator(lm.model, lm.tokenizer, [drafter], VerifyAll([drafter]), SpeculatorSettings(1), watch)
+        for ev in engine(prompt, cache, GenerationConfig(max_tokens)):  # each step's length is known (its last
+            stats.add(ev)  # event read) before the next step drafts
+        confs, before = watch.confs, watch.before
         accepted = [n > 1 for n in stats.accept_lengths]
         pairs += [(c, a) for c, a in zip(confs, accepted) if c is not None]
         signals += [(p, prev, a) for p, prev, a, c in zip(before, [None] + accepted, accepted, confs) if c is not None]
@@ -283,7 +289,7 @@ def _main() -> int:
     args = ap.parse_args()
 
     lm = load_model(args.model)
-    drafter = make_drafter(lm, DecodeConfig("speculative", gate=args.gate, threshold=0.0), args.adapters)
+    drafter = fast_drafter(lm, DecodeConfig(gate=args.gate), args.adapters, threshold=0.0)
     questions = select_questions(args.questions, args.categories, args.limit)
     costs = step_costs(lm, drafter)
     pairs, signals = acceptance_by_confidence(lm, drafter, questions, args.max_tokens)

@@ -31,9 +31,9 @@ import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.core.arla import ARLARule
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.decoders import load_m2r2
 from m2r2_mlx.decoding.early_exit import EarlyExitDecoder, ExitPolicy, confidence
 from m2r2_mlx.decoding.generate import PlainDecoder
+from m2r2_mlx.decoding.methods import load_m2r2
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm.auto import tqdm
 
+from experiments.exit_variants import exit_walker
 from m2r2_bench.methods import run_turns
 from m2r2_bench.questions import SPECBENCH, select_questions
 
@@ -50,8 +51,8 @@ from m2r2_bench.questions import SPECBENCH, select_questions
 def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
     out = {}
     g = m2r2.config.gates
-    rules = [("M2R2 + ARLA", "m2r2", ARLARule(m2r2.arla))] if getattr(m2r2, "arla", None) is not None else []
-    rules += [("M2R2 + confidence", "m2r2", confidence)]
+    rules = [("M2R2 + ARLA", "fast", ARLARule(m2r2.arla))] if getattr(m2r2, "arla", None) is not None else []
+    rules += [("M2R2 + confidence", "fast", confidence)]
     # fused checks ride along the slow stream: any set of gates costs no extra pass. One tau at every
     # gate ("flat"), and at every gate tau scaled by what exiting there saves (the decoders' default)
     variants = [(g[:1], False), (g[:2], False), (g, False), (g, True)]
@@ -59,12 +60,14 @@ def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
         for checked, scaled in variants:
             for tau in taus:
                 label = f"{name}, gates {'/'.join(map(str, checked))}" + (", scaled tau" if scaled else "")
-                out[label, f"tau {tau:g}"] = ExitPolicy(
-                    tau, scaled, source, rule, gates=checked, exit_head=m2r2.exit_head
+                out[label, f"tau {tau:g}"] = (
+                    ExitPolicy(tau, scaled, rule, exit_head=m2r2.exit_head),
+                    exit_walker(source=source, gates=checked),
                 )
     for tau in taus:
-        out["naive + confidence", f"tau {tau:g}"] = ExitPolicy(
-            tau, False, "naive", confidence, exit_head=m2r2.exit_head
+        out["naive + confidence", f"tau {tau:g}"] = (
+            ExitPolicy(tau, False, confidence, exit_head=m2r2.exit_head),
+            exit_walker(source="layerskip"),
         )
     for floor in m2r2.config.gates[::-1]:
         gates = [g for g in m2r2.config.gates if g >= floor]
@@ -74,7 +77,10 @@ def methods(m2r2, taus: list[float], L: int, max_tokens: int) -> dict:
             fit = [g for g in gates if g >= want]
             return fit[0] if fit else None
 
-        out["SkipDecode schedule", f"floor L{floor}"] = ExitPolicy(source="naive", schedule=schedule)
+        out["SkipDecode schedule", f"floor L{floor}"] = (
+            ExitPolicy(0.9),
+            exit_walker(source="layerskip", schedule=schedule),
+        )
     return out
 
 
@@ -150,8 +156,8 @@ def _main() -> int:
             references.append((list(prompt) + ref["tokens"], len(prompt) + 1))  # the first token is the prefill's
             plain_secs += ref["decode_time"]
             bar.update()
-            for key, policy in settings.items():
-                decode = EarlyExitDecoder(m2r2, lm.tokenizer, policy, lm.context_length)
+            for key, (policy, walker) in settings.items():
+                decode = EarlyExitDecoder(m2r2, lm.tokenizer, policy, lm.context_length, walker=walker)
                 (turn,) = run_turns(lm, decode, q["turns"][:1], GenerationConfig(args.max_tokens))
                 a = acc[key]
                 a["passes"] += turn["layer_passes"]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.decoders import load_m2r2
 from m2r2_mlx.decoding.early_exit import gate_thresholds
+from m2r2_mlx.decoding.methods import load_m2r2
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.training.data import self_distill

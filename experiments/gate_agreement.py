@@ -24,7 +24,7 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_save_figure, atomic_write_text
 from m2r2_mlx.core.adapters import load_adapters
-from m2r2_mlx.decoding.decoders import load_m2r2
+from m2r2_mlx.decoding.methods import load_m2r2
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.training.data import mask_path, self_distill
@@ -52,7 +52,11 @@ def plot(results: dict, out: Path) -> None:
     axes = np.atleast_1d(axes)
     for ax, (name, r) in zip(axes, results.items()):
         x = np.arange(len(r["gates"]))
-        bars = [("naive", "naive early exit"), ("baseline", "M2R2, baseline adapters"), ("m2r2", "M2R2 fast stream")]
+        bars = [
+            ("layerskip", "layerskip (the slow state's own exit)"),
+            ("baseline", "M2R2, baseline adapters"),
+            ("fast", "M2R2 fast stream"),
+        ]
         bars = [(k, label) for k, label in bars if k in r]
         width = 0.8 / len(bars)
         for i, (k, label) in enumerate(bars):
@@ -70,8 +74,10 @@ def plot(results: dict, out: Path) -> None:
 def table(results: dict) -> str:
     lines = []
     for name, r in results.items():
-        cols = [("naive", "naive early exit")] + [("baseline", "M2R2, baseline adapters")] * ("baseline" in r)
-        cols.append(("m2r2", "M2R2 fast stream"))
+        cols = [("layerskip", "layerskip (the slow state's own exit)")] + [("baseline", "M2R2, baseline adapters")] * (
+            "baseline" in r
+        )
+        cols.append(("fast", "M2R2 fast stream"))
         lines += [
             f"### {name} ({r['tokens']} tokens)",
             "",
@@ -89,9 +95,9 @@ def side_by_side(evaluate, m2r2, baseline=None) -> dict:
     r = evaluate(m2r2)
     if baseline is not None:
         b = evaluate(baseline)
-        r["baseline"] = b["m2r2"]
+        r["baseline"] = b["fast"]
         if "scored" in b:
-            r["scored"]["baseline"] = b["scored"]["m2r2"]
+            r["scored"]["baseline"] = b["scored"]["fast"]
     return r
 
 
@@ -151,7 +157,7 @@ def every_layer(m2r2, sets: dict, results: dict, out: Path) -> str:
         ax.plot(range(1, len(curve) + 1), np.array(curve) * 100, color=color, label=f"naive exit, {name}")
         r = results.get(name)
         if r:
-            ax.plot(r["gates"], np.array(r["m2r2"]) * 100, "o", color=color, label=f"M2R2 fast stream, {name}")
+            ax.plot(r["gates"], np.array(r["fast"]) * 100, "o", color=color, label=f"M2R2 fast stream, {name}")
     ax.set(xlabel="layer", ylabel="top-1 agreement with the full model (%)", ylim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -21,7 +21,7 @@ from pathlib import Path
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model

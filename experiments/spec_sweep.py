@@ -19,7 +19,7 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import load_model
@@ -61,7 +61,7 @@ def _main() -> int:
     )
     decoders = {"plain": make_decoder(lm, "plain")}
     for g, d, t, v in grid:
-        config = DecodeConfig("speculative", g, "fast", "always", max_draft=d, threshold=t, draft_vocab=v)
+        config = DecodeConfig("fast", g, max_draft=d, threshold=t, draft_vocab=v)
         decoders[g, d, t, v] = make_decoder(lm, config, args.adapters)
     run_turns(lm, decoders["plain"], ["Say hello."], GenerationConfig(8))  # warm-up
     results = {k: {"tokens": 0, "secs": 0.0, "acc": [], "same": 0} for k in decoders}

@@ -31,7 +31,8 @@ from pathlib import Path
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS)
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.drafters import ForcedDrafter
+from m2r2_mlx.decoding.methods import DRAFTERS, METHODS, PLANNERS, cost_planner, speculative_engine
 from m2r2_mlx.decoding.planner import CostPlanner, Selection
 from m2r2_mlx.errors import run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -76,28 +77,26 @@ __doc__ += "".join(f"\n- ``no-{p}``: {what}" for p, what in PIECES.items())
 
 
 def make_variant(lm, name: str, settings: MethodSettings):
-    if name in VARIANTS:
-        engine = make_decoder(lm, DecodeConfig("speculative", gate=settings.gate), settings.adapters)
-        engine.model_drafter, engine.planner.model_kind = None, None
-        return engine
-    if not name.startswith("no-"):
+    """The speculative method's engine built from its drafters with one piece of its planner replaced."""
+    if name not in VARIANTS and not name.startswith("no-"):
         return make_method(lm, name, settings)
-    pieces = name[3:].split("+")  # "no-floor+shadow": both off
+    method, config = METHODS["speculative"], DecodeConfig(gate=settings.gate)
+    drafters = [DRAFTERS["lookup"](lm, config, settings.adapters, method.threshold)]
+    if name not in VARIANTS:  # lookup-priced: the cost planner with prompt lookup alone
+        drafters.append(DRAFTERS["fast"](lm, config, settings.adapters, method.threshold))
+    chain = [ForcedDrafter(), *drafters]
+    pieces = [] if name in VARIANTS else name[3:].split("+")  # "no-floor+shadow": both off
     unknown = [p for p in pieces if p not in PIECES]
     if unknown:
         raise ValueError(f"unknown piece {unknown[0]!r}; choose from {', '.join(PIECES)}")
-    config = DecodeConfig("speculative", gate=settings.gate)
     if "cost-model" in pieces:
-        config = replace(config, planner="always")
-    engine = make_decoder(lm, config, settings.adapters)
-    planner = engine.planner
-    if "floor" in pieces:
-        planner.lookup_floor = 0
-    classes = {"best-prefix": GreedySelection, "shadow": NoShadow}
-    bases = tuple(classes[p] for p in pieces if p in classes)
-    if bases:
-        planner.__class__ = type("Variant", bases, {})
-    return engine
+        planner = PLANNERS["verify-all"](lm, chain)
+    else:
+        classes = {"best-prefix": GreedySelection, "shadow": NoShadow}
+        bases = tuple(classes[p] for p in pieces if p in classes) or (CostPlanner,)
+        floor = 0 if "floor" in pieces else None
+        planner = cost_planner(lm, chain, type("Variant", bases, {}), lookup_floor=floor)
+    return speculative_engine(lm, drafters, planner, max_draft=method.max_draft, name=name)
 
 
 def wait_while_paused(pause: Path | None) -> None:

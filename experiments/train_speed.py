@@ -67,7 +67,7 @@ def mlx_seconds(run: SpeedRun, rows, gates) -> float:
     trainer = Trainer(m2r2, lr=run.lr, steps=total, gate_indices=train_gate_indices(m2r2.config, run.train_gates))
 
     def step(i):
-        with fast_kernels(True):  # m2r2-train's default on the CPU
+        with fast_kernels(lm.model, True):  # m2r2-train's default on the CPU
             trainer.step(mx.array(rows[batch_rows(0, i, len(rows), run.batch_size)]))
 
     return time_steps(step, run.warmup, run.steps, "m2r2-train (MLX)")

@@ -1,7 +1,12 @@
 """m2r2-mlx: Mixture of Multi-Rate Residuals decoding on MLX.
 
-    import m2r2_mlx
-    lm = m2r2_mlx.load_model("smollm2")                  # alias, repo id, folder or .gguf
+    from m2r2_mlx import load, stream_generate          # mlx-lm's face (api.py): change the import, pick a method
+    model, tokenizer = load("smollm2")                   # alias, repo id, folder or .gguf
+    for response in stream_generate(model, tokenizer, "What is the capital of France?", method="speculative"):
+        print(response.text, end="")
+
+    import m2r2_mlx                                      # the engine's own: a chat that keeps its cache and engine
+    lm = m2r2_mlx.load_model("smollm2")
     chat = m2r2_mlx.ChatSession(lm, decoder=m2r2_mlx.make_decoder(lm, "speculative"))
     for event in chat.send("What is the capital of France?", m2r2_mlx.GenerationConfig(max_tokens=64)):
         print(event.text, end="")
@@ -28,16 +33,21 @@ __version__ = "0.2.0"
 
 # name -> module: resolved on first use (PEP 562), so `import m2r2_mlx` stays cheap and mlx loads after the BLAS
 _PUBLIC = {
+    "load": "m2r2_mlx.api",
+    "stream_generate": "m2r2_mlx.api",
+    "generate": "m2r2_mlx.api",
+    "make_sampler": "m2r2_mlx.api",
+    "make_logits_processors": "m2r2_mlx.api",
+    "GenerationResponse": "m2r2_mlx.api",
     "load_model": "m2r2_mlx.models.registry",
     "LoadedModel": "m2r2_mlx.models.registry",
     "load_adapters": "m2r2_mlx.core.adapters",
-    "make_decoder": "m2r2_mlx.decoding.decoders",
-    "MODES": "m2r2_mlx.decoding.decoders",
+    "make_decoder": "m2r2_mlx.decoding.methods",
+    "METHODS": "m2r2_mlx.decoding.methods",
     "GenerationConfig": "m2r2_mlx.decoding.config",
     "DecodeConfig": "m2r2_mlx.decoding.config",
     "Sampling": "m2r2_mlx.decoding.sampling",
     "Decoder": "m2r2_mlx.decoding.protocols",
-    "generate": "m2r2_mlx.decoding.generate",
     "TokenEvent": "m2r2_mlx.decoding.events",
     "ChatSession": "m2r2_mlx.decoding.chat",
     "AnswerStats": "m2r2_mlx.decoding.stats",

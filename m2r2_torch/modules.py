@@ -199,13 +199,13 @@ class LoRASwitch:
         try:
             for sites in self.sites[start:stop]:
                 for parent, name, delta in sites:
-                    original = getattr(parent, name)
-                    setattr(parent, name, WithDelta(original, delta))
+                    original = parent.get_submodule(name)
+                    parent.register_module(name, WithDelta(original, delta))  # torch's own child swap
                     swapped.append((parent, name, original))
             yield
         finally:
             for parent, name, original in reversed(swapped):
-                setattr(parent, name, original)
+                parent.register_module(name, original)
 
 
 class M2R2Adapters(nn.Module):

@@ -1,13 +1,13 @@
 """m2r2-profile: where a decode step's time goes, against this machine's own limits, as a trace to open.
 
-    m2r2-profile                                          # plain decoding of the embedded model, 64 tokens
-    m2r2-profile --mode speculative --out docs/profile    # each mode into one folder: profile.png compares them
+    m2r2-profile                                          # the default method on the embedded model, 64 tokens
+    m2r2-profile --method plain --out docs/profile        # each method into one folder: profile.png compares them
     m2r2-profile --model MOE_FOLDER --memory-budget 25%   # an MoE within an expert budget: loads, stalls, link
     MTL_CAPTURE_ENABLED=1 m2r2-profile --metal-capture decode.gputrace   # macOS: Xcode's capture of the decode
 
 It decodes one answer twice, unmeasured and measured (each timed call evaluated at its boundary), and writes the
 component table and roofline (Markdown and JSON), a Chrome trace-event file (ui.perfetto.dev opens it) and a
-stacked bar per profiled mode into --out.
+stacked bar per profiled method into --out.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .report import markdown, summary
 from .session import run_profile
 from .trace import write_trace
 
-SERVED_PREDICTORS = [name for name, e in PREDICTORS.items() if not e.control]
+SERVED_PREDICTORS = list(PREDICTORS)
 
 
 class OneLineParser(argparse.ArgumentParser):

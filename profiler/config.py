@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2r2_mlx.decoding.decoders import resolve_for_mode
+from m2r2_mlx.decoding.methods import resolve_for_method
 from m2r2_mlx.decoding.options import DecodingOptions
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe.cache import parse_budget
@@ -21,9 +21,9 @@ DEFAULT_TOKENS = 64
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    model: str  # resolved from the names given (decoders.resolve_for_mode)
+    model: str  # resolved from the names given (methods.resolve_for_method)
     adapters: str | None
-    options: DecodingOptions  # the mode and its settings; generation.max_tokens is --tokens
+    options: DecodingOptions  # the method and its settings; generation.max_tokens is --tokens
     prompt: str
     out: Path | None = None  # summaries, the table and the PNG
     trace: Path | None = None  # the Chrome trace-event JSON
@@ -60,7 +60,7 @@ def check_trace(path: Path | None) -> None:
 
 def profile_config(values: dict) -> ProfileConfig:
     """From the command line's values (an options dict); the model and adapters are decided from names alone, so a
-    mode that needs adapters the model lacks fails here, before any download."""
+    method that needs adapters the model lacks fails here, before any download."""
     tokens = values["tokens"]
     if tokens < 1:
         raise M2R2Error(f"--tokens must be at least 1 (got {tokens}): the profile needs a step to measure")
@@ -81,7 +81,7 @@ def profile_config(values: dict) -> ProfileConfig:
     if values.get("memory_budget") is not None:
         parse_budget(values["memory_budget"])  # one line for a bad budget, before loading anything
         experts = ExpertBudget(values["memory_budget"], values["expert_predictor"])
-    model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
+    model, folder = resolve_for_method(values["model"], values["adapters"], options.decode.method)
     out = Path(values["out"]) if values.get("out") else None
     return ProfileConfig(
         model, None if folder is None else str(folder), options, values["prompt"], out, trace, experts, capture, repeats

@@ -1,38 +1,33 @@
-"""What the measured run times, by wrapping (patches.py) the parts a decode step calls:
+"""What the measured run times, through hooks the engine offers and module swaps mlx-lm's own tools use:
 
-- the model: the embedding, each layer's attention (with its input norm) and feed-forward block (with its norm
-  and the residual adds, which it evaluates), the final norm and the LM head;
-- the cache: a forward (by positions);
-- the speculative engine: planning, prompt lookup, the fast stream's drafting, its adapters and draft head, a
-  verification (by positions: its forward, acceptance (``verify``) and the cache keeping the accepted prefix);
-- early exit: the exit head and the exit decision (ARLA or confidence);
-- sampling everywhere, and an expert cache's loads (the forward pass's stall).
+- the engine's phases, through its tracer (m2r2_mlx/tracing.py): sampling, each cache forward (by positions),
+  planning, prompt lookup, the fast stream's drafting and its draft head, a verification (by positions: its forward,
+  acceptance and the cache keeping the accepted prefix), early exit's exit head and exit decision, and an expert
+  cache's waits for loads (the forward pass's stall);
+- the model, by swapping its modules for ``Timed`` stand-ins (``update_modules``, as mlx-lm's LoRA tuner swaps
+  layers): the embedding, each layer's attention (with its input norm) and feed-forward block (with its norm and
+  the residual adds, which it evaluates), the final norm and the LM head, and the fast stream's adapters.
 
-Each wrapped call evaluates its result (spans.timed): the unmeasured run has none of this.
+Each timed call evaluates its result (spans.timed): the unmeasured run has none of this.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-from m2r2_mlx.decoding import generate, speculative
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.base_model import BaseParts
+from m2r2_mlx.tracing import Tracer
 
-from .patches import Patches
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
 from .spans import Recorder, timed
 from .weights import Footprint, block, dense, embedding, kv_bytes_per_position
 
 ATTENTION = ("self_attn", "attention", "attn")
 FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")
-
-
-@dataclass(frozen=True)
-class Target:
-    model: object  # the mlx-lm model
-    decoder: object  # a Decoder (decoding/protocols.py)
-    cache: object  # the PromptCache the measured run decodes into
-    experts: object | None = None  # an ExpertCache when the model runs within a memory budget
 
 
 def positions(x) -> int:
@@ -43,12 +38,14 @@ def positions(x) -> int:
     return int(shape[0] * shape[1]) if len(shape) >= 3 else int(x.size)
 
 
-def _child(layer, names: tuple[str, ...]):
-    return next((layer[n] for n in names if n in layer), None)
-
-
 def _fixed(fp: Footprint):
     return lambda args, kwargs: fp.cost(positions(args[0]))
+
+
+def _head_cost(head) -> Callable | None:
+    """A vocabulary-subset head's cost: the rows it gathered once (a quantized head reads the whole one)."""
+    weight = getattr(head, "weight", None)
+    return _fixed(Footprint(weight.nbytes, weight.size)) if weight is not None else None
 
 
 class _Attention:
@@ -68,20 +65,94 @@ class _Attention:
         return read + context * self.per_position, flops + 4 * rows * new * (context + new) * self.hidden
 
 
-def _model(p: Patches, rec: Recorder, model) -> None:
+class ProfileTracer(Tracer):
+    """The engine's phases as spans of ``recorder`` (while it is on); one tracer serves a whole profile, each
+    measured run handing it its recorder (``use``)."""
+
+    # tracer kind -> (span kind, span name or name(fn, args), trace arguments note(args, kwargs, result) or None)
+    PHASES: dict = {
+        "sample": ("sample", "sampling", None),
+        "forward": ("forward", lambda fn, a: f"forward {positions(a[0])}", None),
+        "propose": ("lookup", "prompt lookup", None),
+        "plan": ("plan", "plan", lambda a, k, out: {"positions": len(a[0]), "plain": out.plain}),
+        "observe": ("plan", "observe", None),
+        "draft": ("draft", lambda fn, a: f"draft {fn.__self__.name}", lambda a, k, n: {"draft_steps": n}),
+        "verify": ("verify", lambda fn, a: f"verify {len(a[1])}", lambda a, k, out: {"positions": len(a[1])}),
+        "accept": ("accept", "acceptance", lambda a, k, out: {"accepted": out.accepted}),
+        "draft-head": ("draft-head", "draft head", None),
+        "exit-head": ("exit-head", "exit head", None),
+        "exit-rule": ("exit-rule", "exit decision", None),
+        "expert-stall": ("expert-stall", "expert loads", None),
+    }
+
+    def __init__(self):
+        self.recorder = Recorder()
+
+    def use(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def call(self, kind, fn, *args, **kwargs):
+        phase = self.PHASES.get(kind)
+        if phase is None or not self.recorder.on:
+            return fn(*args, **kwargs)
+        span_kind, name, note = phase
+        cost = _head_cost(fn) if kind in ("draft-head", "exit-head") else None
+        label = name(fn, args) if callable(name) else name
+        return timed(self.recorder, fn, span_kind, label, cost=cost, note=note)(*args, **kwargs)
+
+
+class Timed(nn.Module):
+    """A module's stand-in while it is profiled: the methods named in ``spans`` (name -> (kind, label, layer,
+    cost)) run as spans of the tracer's recorder; every other attribute is the module's own."""
+
+    def __init__(self, module: nn.Module, tracer: ProfileTracer, spans: dict[str, tuple]):
+        super().__init__()
+        self.module = module  # a child: the parameter tree keeps its weights
+        self.timing = _Spans(tracer, spans)
+
+    def __getattr__(self, key: str):
+        if key in self:
+            return self[key]
+        if "module" not in self:
+            raise AttributeError(key)
+        return getattr(self["module"], key)
+
+    def __call__(self, *args, **kwargs):
+        return self.timing.run("__call__", self.module, *args, **kwargs)
+
+    def as_linear(self, x):
+        return self.timing.run("as_linear", self.module.as_linear, x)
+
+
+class _Spans:
+    def __init__(self, tracer: ProfileTracer, spans: dict[str, tuple]):
+        self.tracer, self.spans = tracer, spans
+
+    def run(self, method: str, fn, *args, **kwargs):
+        recorder = self.tracer.recorder
+        if method not in self.spans or not recorder.on:
+            return fn(*args, **kwargs)
+        kind, label, layer, cost = self.spans[method]
+        return timed(recorder, fn, kind, label, layer, cost)(*args, **kwargs)
+
+
+def _child(layer, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if n in layer), None)
+
+
+def _model_swaps(model, tracer: ProfileTracer) -> list[tuple[str, nn.Module]]:
+    """(path, stand-in) for each timed module of an mlx-lm decoder."""
     parts = BaseParts(model)
     inner, hidden = parts.inner, parts.hidden_size
-    p.method(
-        inner.embed_tokens,
-        "__call__",
-        lambda f: timed(rec, f, "embed", "embedding", cost=_fixed(embedding(inner.embed_tokens))),
-    )
-    head = inner.embed_tokens if parts.tied else model.lm_head
-    head_cost = _fixed(dense(head))
-    p.method(
-        head, "as_linear" if parts.tied else "__call__", lambda f: timed(rec, f, "head", "LM head", cost=head_cost)
-    )
-    p.method(inner.norm, "__call__", lambda f: timed(rec, f, "head", "final norm", cost=_fixed(dense(inner.norm))))
+    embed = {"__call__": ("embed", "embedding", None, _fixed(embedding(inner.embed_tokens)))}
+    if parts.tied:
+        embed["as_linear"] = ("head", "LM head", None, _fixed(dense(inner.embed_tokens)))
+    swaps = [("model.embed_tokens", Timed(inner.embed_tokens, tracer, embed))]
+    if not parts.tied:
+        head = {"__call__": ("head", "LM head", None, _fixed(dense(model.lm_head)))}
+        swaps.append(("lm_head", Timed(model.lm_head, tracer, head)))
+    norm = {"__call__": ("head", "final norm", None, _fixed(dense(inner.norm)))}
+    swaps.append(("model.norm", Timed(inner.norm, tracer, norm)))
     for i, layer in enumerate(parts.layers):
         attn, ff = _child(layer, ATTENTION), _child(layer, FEED_FORWARD)
         if attn is None or ff is None:
@@ -89,100 +160,62 @@ def _model(p: Patches, rec: Recorder, model) -> None:
                 f"layer {i} ({type(layer).__name__}) has no attention ({'/'.join(ATTENTION)}) or feed-forward block "
                 f"({'/'.join(FEED_FORWARD)}) to time; m2r2-profile knows mlx-lm's decoders (llama, phi3, olmoe, ...)"
             )
-        cost = _Attention(dense(attn), hidden)
-        p.method(attn, "__call__", lambda f, i=i, c=cost: timed(rec, f, "attention", f"attention L{i + 1}", i, c))
-        fp = _fixed(block(ff))
-        p.method(ff, "__call__", lambda f, i=i, c=fp: timed(rec, f, "mlp", f"feed-forward L{i + 1}", i, c))
+        cost = _Attention(dense(layer[attn]), hidden)
+        swaps.append(
+            (
+                f"model.layers.{i}.{attn}",
+                Timed(layer[attn], tracer, {"__call__": ("attention", f"attention L{i + 1}", i, cost)}),
+            )
+        )
+        ff_span = {"__call__": ("mlp", f"feed-forward L{i + 1}", i, _fixed(block(layer[ff])))}
+        swaps.append((f"model.layers.{i}.{ff}", Timed(layer[ff], tracer, ff_span)))
+    return swaps
 
 
-def _m2r2(p: Patches, rec: Recorder, m2r2) -> None:
+def _m2r2_swaps(m2r2, tracer: ProfileTracer) -> list[tuple[str, nn.Module]]:
     """The fast stream's own weights: its bottleneck adapters and context feature (LoRA deltas run inside the
     layers' projections, and are timed with them)."""
+    swaps = []
     for i, adapter in enumerate(m2r2.adapters):
-        cost = _fixed(dense(adapter))
-        p.method(adapter, "__call__", lambda f, i=i, c=cost: timed(rec, f, "adapter", f"adapter L{i + 1}", i, c))
+        span = {"__call__": ("adapter", f"adapter L{i + 1}", i, _fixed(dense(adapter)))}
+        swaps.append((f"adapters.{i}", Timed(adapter, tracer, span)))
     context = getattr(m2r2, "context", None)
     if context is not None:
-        p.method(
-            context, "__call__", lambda f: timed(rec, f, "adapter", "context feature", cost=_fixed(dense(context)))
+        swaps.append(
+            (
+                "context",
+                Timed(context, tracer, {"__call__": ("adapter", "context feature", None, _fixed(dense(context)))}),
+            )
         )
+    return swaps
 
 
-def _subset_head(p: Patches, rec: Recorder, head, kind: str) -> None:
-    weight = getattr(head, "weight", None)
-    cost = _fixed(Footprint(weight.nbytes, weight.size)) if weight is not None else None
-    p.method(head, "__call__", lambda f: timed(rec, f, kind, kind.replace("-", " "), cost=cost))
+def m2r2_of(decoder):
+    """The M2R2 model a decoder runs (the fast drafter's or early exit's), or None."""
+    drafter = getattr(decoder, "model_drafter", None)
+    if drafter is not None and getattr(drafter, "adapters", False):
+        return drafter.m2r2
+    return getattr(decoder, "m2r2", None)
 
 
-def _speculator(p: Patches, rec: Recorder, engine) -> None:
-    planner = engine.planner
-    plan = lambda a, k, out: {"positions": len(a[0]), "plain": out.plain}
-    p.attribute(planner, "plan", timed(rec, planner.plan, "plan", "plan", note=plan))
-    p.attribute(planner, "observe", timed(rec, planner.observe, "plan", "observe"))
-    size = lambda a, k: f"verify {len(a[1])}"
-    p.attribute(engine, "verify_step", timed(rec, engine.verify_step, "verify", size, note=_verified))
-    for drafter in engine.free:
-        p.attribute(drafter, "propose", timed(rec, drafter.propose, "lookup", "prompt lookup"))
-    layer = engine.model_drafter
-    if layer is not None:
-        steps = lambda a, k, n: {"draft_steps": n}
-        p.attribute(layer, "propose", timed(rec, layer.propose, "draft", f"draft {layer.name}", note=steps))
-        if layer.head is not None:
-            _subset_head(p, rec, layer.head, "draft-head")
-        _m2r2(p, rec, layer.m2r2)
-
-
-def _early_exit(p: Patches, rec: Recorder, decoder) -> None:
-    policy = decoder.policy
-    if policy.exit_head is not None:
-        _subset_head(p, rec, policy.exit_head, "exit-head")
-    p.attribute(decoder, "policy", replace(policy, rule=timed(rec, policy.rule, "exit-rule", "exit decision")))
-    _m2r2(p, rec, decoder.m2r2)
-
-
-def _sampler_class(rec: Recorder, cls):
-    class Profiled(cls):
-        def __call__(self, logits):
-            return timed(rec, super().__call__, "sample", "sampling")(logits)
-
-    Profiled.__name__ = Profiled.__qualname__ = cls.__name__
-    return Profiled
-
-
-def _sampling(p: Patches, rec: Recorder) -> None:
-    """The sampling the decoding loops call by name (their modules' globals): every mode's NextToken is made in
-    generate (start_decoding) or in speculative (a plain stretch)."""
-    for module in (generate, speculative):
-        p.attribute(module, "NextToken", _sampler_class(rec, module.NextToken))
-    note = lambda a, k, out: {"accepted": out.accepted}
-    p.attribute(speculative, "verify", timed(rec, speculative.verify, "accept", "acceptance", note=note))
-
-
-def _cache(p: Patches, rec: Recorder, cache) -> None:
-    count = lambda a, k: f"forward {positions(a[0])}"
-    p.attribute(cache, "forward", timed(rec, cache.forward, "forward", count))
-
-
-def _verified(args: tuple, kwargs: dict, out) -> dict:
-    return {"positions": len(args[1])}
-
-
-def instrument(recorder: Recorder, target: Target) -> Patches:
-    """Wrap everything the target's decode steps call; ``restore()`` (or leaving ``with``) undoes it all."""
-    p = Patches()
+@contextmanager
+def swapped(root: nn.Module, swaps: list[tuple[str, nn.Module]]) -> Iterator[None]:
+    """``root`` with the modules at ``swaps``' paths replaced by their stand-ins, restored on leaving."""
+    originals = [(path, stand_in.module) for path, stand_in in swaps]
+    root.update_modules(tree_unflatten(swaps))
     try:
-        _model(p, recorder, target.model)
-        _cache(p, recorder, target.cache)
-        _sampling(p, recorder)
-        decoder = target.decoder
-        if hasattr(decoder, "planner"):
-            _speculator(p, recorder, decoder)
-        elif hasattr(decoder, "policy") and hasattr(decoder, "m2r2"):
-            _early_exit(p, recorder, decoder)
-        if target.experts is not None:
-            ensure = target.experts.ensure
-            p.attribute(target.experts, "ensure", timed(recorder, ensure, "expert-stall", "expert loads"))
-    except BaseException:
-        p.restore()
-        raise
-    return p
+        yield
+    finally:
+        root.update_modules(tree_unflatten(originals))
+
+
+@contextmanager
+def instrument(tracer: ProfileTracer, model, decoder) -> Iterator[None]:
+    """Time the modules ``decoder``'s steps run (the model's, and its M2R2 adapters'); restored on leaving."""
+    with swapped(model, _model_swaps(model, tracer)):
+        m2r2 = m2r2_of(decoder)
+        if m2r2 is None:
+            yield
+            return
+        with swapped(m2r2, _m2r2_swaps(m2r2, tracer)):
+            yield

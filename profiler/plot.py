@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from m2r2_mlx.atomic import atomic_save_figure
-from m2r2_mlx.decoding.decoders import MODES
+from m2r2_mlx.decoding.methods import METHODS
 
 # component kind -> the plot's category (a few colours read better than every row)
 CATEGORIES = {
@@ -38,9 +38,9 @@ def category(row: dict) -> str:
 
 
 def summaries(folder: Path) -> list[dict]:
-    """The folder's profiles: dense models before budgeted ones, by model, in the mode registry's order."""
+    """The folder's profiles: dense models before budgeted ones, by model, in the method table's order."""
     found = [json.loads(p.read_text()) for p in folder.glob("profile-*.json")]
-    order = list(MODES)
+    order = list(METHODS)
     rank = lambda s: order.index(s["label"].split()[0]) if s["label"].split()[0] in order else len(order)
     return sorted(found, key=lambda s: (bool(s["experts"]), s["model"], rank(s), s["label"]))
 

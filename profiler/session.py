@@ -8,16 +8,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from m2r2_mlx.core.config import M2R2Config
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.models.base_model import BaseParts
 from m2r2_mlx.models.registry import load_model
 from m2r2_mlx.moe.blocks import moe_blocks
 from m2r2_mlx.moe.serve import serve_with_budget
+from m2r2_mlx.tracing import NO_TRACE
 
 from . import experts as expert_work
 from .config import ProfileConfig
-from .instrument import Target, instrument
+from .instrument import ProfileTracer, instrument
 from .metal import metal_capture
 from .probe import Machine, probe_machine
 from .roofline import Roofline, roofline
@@ -86,8 +87,8 @@ def _gates(adapters: str | None) -> list[int] | None:
 
 
 def _label(config: ProfileConfig) -> str:
-    mode = config.options.decode.mode
-    return f"{mode} @ {config.experts.budget} experts" if config.experts else mode
+    method = config.options.decode.method
+    return f"{method} @ {config.experts.budget} experts" if config.experts else method
 
 
 def run_profile(config: ProfileConfig) -> Breakdown:
@@ -96,8 +97,10 @@ def run_profile(config: ProfileConfig) -> Breakdown:
     print(f"probing this machine ({parts.inner.norm.weight.dtype}): streaming copy and matrix product", file=sys.stderr)
     machine = probe_machine(parts.inner.norm.weight.dtype)
 
-    def build():
-        return make_decoder(lm, config.options.decode, config.adapters)
+    tracer = ProfileTracer()  # the measured runs' hooks: each hands it its recorder
+
+    def build(traced: bool = False):
+        return make_decoder(lm, config.options.decode, config.adapters, tracer if traced else NO_TRACE)
 
     decoder = build()
     cache = None
@@ -105,18 +108,18 @@ def run_profile(config: ProfileConfig) -> Breakdown:
         e = config.experts
         cache = serve_with_budget(lm, e.budget, predictor=e.predictor, adapters=config.adapters)
     try:
-        return _profile(config, lm, machine, build, cache, decoder)
+        return _profile(config, lm, machine, build, cache, decoder, tracer)
     finally:
         if cache is not None:
             cache.close()
 
 
-def _profile(config: ProfileConfig, lm, machine: Machine, build, experts, decoder) -> Breakdown:
+def _profile(config: ProfileConfig, lm, machine: Machine, build, experts, decoder, tracer: ProfileTracer) -> Breakdown:
     generation, kv = config.options.generation, config.options.kv
     prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}], add_generation_prompt=True)
 
-    def new_cache() -> PromptCache:
-        return PromptCache(lm.model, kv.max_kv_size, kv.kv_bits)
+    def new_cache(traced: bool = False) -> PromptCache:
+        return PromptCache(lm.model, kv.max_kv_size, kv.kv_bits, tracer if traced else NO_TRACE)
 
     decode(
         decoder,
@@ -136,8 +139,9 @@ def _profile(config: ProfileConfig, lm, machine: Machine, build, experts, decode
             if experts is not None:
                 work["unmeasured"] = expert_work.work(experts, start).per_token()
         start = expert_work.begin(experts) if experts is not None else None
-        rec, cache, decoder = Recorder(), new_cache(), build()
-        with instrument(rec, Target(lm.model, decoder, cache, experts)):
+        rec, cache, decoder = Recorder(), new_cache(traced=True), build(traced=True)
+        tracer.use(rec)
+        with instrument(tracer, lm.model, decoder):
             run, found = decode_measured(decoder, prompt, generation, cache, rec)
         if measured is None or run.tokens_per_s > measured.tokens_per_s:
             measured, steps, recorder = run, found, rec

@@ -43,7 +43,8 @@ class Step:
 
 def _run(events: list) -> Run:
     last = events[-1]
-    return Run([e.token for e in events], last.prompt_time_s, last.elapsed_s, max(e.peak_memory_gb for e in events))
+    peak = max(e.timing.peak_memory_gb for e in events)
+    return Run([e.token for e in events], last.timing.prompt_time_s, last.timing.elapsed_s, peak)
 
 
 def decode(decoder, prompt: Sequence[int], generation, cache, label: str) -> Run:
@@ -109,10 +110,10 @@ def step_args(step: Step, spans: Sequence[Span] = ()) -> dict:
     early exit's exit depths."""
     events = step.events
     args = {"context": step.context, "tokens": len(events), "accepted": sum(e.drafted for e in events)}
-    plans = [e.plan for e in events if e.plan]
+    plans = [e.spec.plan for e in events if e.spec and e.spec.plan]
     if plans:
         args["plan"] = plans[0]
-    drafters = sorted({e.source for e in events if e.drafted and e.source})
+    drafters = sorted({e.spec.source for e in events if e.drafted})
     if drafters:
         args["drafters"] = drafters
     verified = [s.args["positions"] for s in spans if s.kind == "verify" and "positions" in s.args]

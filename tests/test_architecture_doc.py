@@ -1,5 +1,6 @@
 """docs/architecture.md follows the code: every code name it puts in backticks imports, and every path it names
-exists, so a rename that leaves the walk-through behind fails here."""
+exists, so a rename that leaves the walk-through behind fails here; its glossary's names are the ones the code
+uses, and the old synonyms are gone."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ DOC = ROOT / "docs" / "architecture.md"
 # where a bare name may live (a dotted name starts with one of these modules' attributes)
 MODULES = [
     "m2r2_mlx",
+    "m2r2_mlx.api",
+    "m2r2_mlx.tracing",
+    "m2r2_mlx.errors",
+    "m2r2_mlx.core.config",
+    "m2r2_profiler.instrument",
     "m2r2_mlx.decoding.speculative",
     "m2r2_mlx.decoding.planner",
     "m2r2_mlx.decoding.drafters",
@@ -24,7 +30,7 @@ MODULES = [
     "m2r2_mlx.decoding.prompt_cache",
     "m2r2_mlx.decoding.events",
     "m2r2_mlx.decoding.stats",
-    "m2r2_mlx.decoding.decoders",
+    "m2r2_mlx.decoding.methods",
     "m2r2_mlx.decoding.config",
     "m2r2_mlx.decoding.options",
     "m2r2_mlx.decoding.chat",
@@ -96,3 +102,45 @@ def test_the_walkthrough_names_code_that_exists():
 @pytest.mark.parametrize("name", ["Speculator.__call__", "CostPlanner.plan", "Planner", "StepPlan", "Outcome"])
 def test_the_speculative_step_is_described(name):
     assert f"`{name}`" in DOC.read_text()
+
+
+def glossary() -> dict[str, str]:
+    """term -> the row's "in the code" cell."""
+    text = DOC.read_text().split("## Glossary", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    return {cells[0].strip(): cells[2] for cells in rows[1:]}
+
+
+def test_the_glossary_names_the_codes_names():
+    from m2r2_mlx.decoding.methods import DRAFTERS, METHODS, PLANNERS
+    from m2r2_mlx.moe.predictors import PREDICTORS
+
+    terms = glossary()
+    assert {"method", "fast stream", "layerskip", "drafter", "planner", "event", "tracer"} <= set(terms)
+    assert all(resolves(n) for cell in terms.values() for n in re.findall(r"`([^`]+)`", cell) if checked(n))
+    described = DOC.read_text().split("\n| method |", 1)[1].split("|", 1)[0]
+    listed = re.findall(r"`([\w-]+)`", described)
+    assert listed == list(METHODS)
+    assert (
+        "fast" in DRAFTERS
+        and "layerskip" in DRAFTERS
+        and "fast" in PREDICTORS
+        and set(PLANNERS) == {"cost", "verify-all"}
+    )
+
+
+def test_one_name_per_thing():
+    """The fast stream is "fast" and the slow state's own exit "layerskip" wherever a name is chosen: methods,
+    drafters, MoE predictors, the trainers' agreement metrics (old adapters' "m2r2"/"naive" are read as these)."""
+    from m2r2_mlx.core.config import AdapterMetrics
+    from m2r2_mlx.decoding.methods import DRAFTERS, METHODS
+    from m2r2_mlx.moe.predictors import PREDICTORS
+
+    for registry in (METHODS, DRAFTERS, PREDICTORS):
+        assert not {"m2r2", "naive", "hybrid"} & set(registry)
+    old = AdapterMetrics(heldout_agreement={"gates": [6], "m2r2": [0.4], "naive": [0.1], "scored": {"m2r2": [0.5]}})
+    assert old.agreement(6) == 0.4 and old.agreement(6, adapters=False) == 0.1
+    assert (
+        set(old.heldout_agreement) == {"gates", "fast", "layerskip", "scored"}
+        and "fast" in old.heldout_agreement["scored"]
+    )

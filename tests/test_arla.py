@@ -5,7 +5,7 @@ import json
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.arla import ARLA, exit_stats
 from m2r2_mlx.core.config import M2R2Config
-from m2r2_mlx.decoding.decoders import packaged_adapters
+from m2r2_mlx.decoding.methods import packaged_adapters
 
 import mlx.core as mx
 import numpy as np

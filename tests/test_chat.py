@@ -14,14 +14,14 @@ from .conftest import FRANCE
 def test_second_turn_prefills_only_its_own_tokens(lm):
     s = ChatSession(lm)
     first = list(s.send(FRANCE, GenerationConfig(40)))
-    assert first[-1].prefill_tokens == first[-1].prompt_tokens
+    assert first[-1].timing.prefill_tokens == first[-1].timing.prompt_tokens
     turn1 = list(s.cache.tokens)  # prompt + answer + <|im_end|>
     second = list(s.send("And of Germany?", GenerationConfig(40)))
-    prompt2 = s.cache.tokens[: second[-1].prompt_tokens]
+    prompt2 = s.cache.tokens[: second[-1].timing.prompt_tokens]
     assert prompt2[: len(turn1)] == turn1  # the new prompt extends the cached conversation
-    assert second[-1].prefill_tokens == second[-1].prompt_tokens - len(turn1)
+    assert second[-1].timing.prefill_tokens == second[-1].timing.prompt_tokens - len(turn1)
     own = lm.tokenizer.encode("\n<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n")
-    assert second[-1].prefill_tokens == len(own)
+    assert second[-1].timing.prefill_tokens == len(own)
     assert "Berlin" in "".join(e.text for e in second)
     assert [m["role"] for m in s.messages] == ["user", "assistant", "user", "assistant"]
 
@@ -43,7 +43,7 @@ def test_cancel_keeps_partial_answer_and_cache_consistent(lm):
     # the next turn reuses whatever prefix is still valid and answers normally
     nxt = list(s.send(FRANCE, GenerationConfig(30)))
     assert "Paris" in "".join(e.text for e in nxt)
-    assert nxt[-1].prefill_tokens < nxt[-1].prompt_tokens
+    assert nxt[-1].timing.prefill_tokens < nxt[-1].timing.prompt_tokens
 
 
 def test_regenerate_is_deterministic_when_greedy(lm):
@@ -51,7 +51,7 @@ def test_regenerate_is_deterministic_when_greedy(lm):
     a = "".join(e.text for e in s.send(FRANCE, GenerationConfig(30)))
     b_events = list(s.regenerate(GenerationConfig(30)))
     assert "".join(e.text for e in b_events) == a
-    assert b_events[-1].prefill_tokens == 1  # the whole prompt came from the cache
+    assert b_events[-1].timing.prefill_tokens == 1  # the whole prompt came from the cache
     assert len(s.messages) == 2
 
 

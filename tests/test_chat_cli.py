@@ -43,7 +43,7 @@ def test_draft_and_verify_modes_answer_like_plain():
         ("layerskip", ["--gate", "24", "--draft", "3"], "L24x"),
         ("lookup", [], "L0x"),
     ]:
-        spec = subprocess.run([EXE, *q, "--mode", mode, *extra], capture_output=True, text=True, timeout=600)
+        spec = subprocess.run([EXE, *q, "--method", mode, *extra], capture_output=True, text=True, timeout=600)
         assert plain.returncode == spec.returncode == 0, spec.stderr
         assert spec.stdout == plain.stdout, mode  # lossless
         assert exit_mark is None or exit_mark in spec.stderr.splitlines()[-1], mode  # tokens from accepted drafts
@@ -66,7 +66,7 @@ def test_draft_and_verify_modes_answer_like_plain():
 )
 def test_speculative_mode_bad_input(extra, message):
     r = subprocess.run(
-        [EXE, "--prompt", "hi", "--mode", "speculative", *extra], capture_output=True, text=True, timeout=600
+        [EXE, "--prompt", "hi", "--method", "speculative", *extra], capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
@@ -88,7 +88,7 @@ def test_json_schema_answer_validates_and_a_bad_schema_is_one_line(tmp_path):
     q = ["--prompt", "Paris is the capital of France. Give the city and its country.", "--max-tokens", "40"]
     for mode in ("plain", "speculative"):
         r = subprocess.run(
-            [EXE, *q, "--json-schema", str(tmp_path / "schema.json"), "--mode", mode],
+            [EXE, *q, "--json-schema", str(tmp_path / "schema.json"), "--method", mode],
             capture_output=True,
             text=True,
             timeout=600,

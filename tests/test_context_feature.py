@@ -3,20 +3,19 @@
 from m2r2_mlx.core.adapters import add_context_feature, load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.drafters import LayerDrafter
-from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate
+from m2r2_mlx.decoding.early_exit import ExitPolicy
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.prompt_cache import PromptCache
-from m2r2_mlx.decoding.speculative import speculative_generate
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
+from .tiny import early_exit_generate, speculative_generate, tiny_model
 from .tiny import random_ids as _ids
 from .tiny import random_prompts as _prompts
 from .tiny import randomize as _randomize
-from .tiny import tiny_model
 
 
 def test_zero_initialised_feature_changes_nothing():

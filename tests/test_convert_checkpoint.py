@@ -117,7 +117,7 @@ def test_other_file_layouts_give_the_same_weights(base, tmp_path):
     beside.mkdir()
     torch.save(state, beside / "adapters.pt")
     cfg = load_adapters(lm, tmp_path / "bf16").config
-    cfg.metrics = AdapterMetrics(heldout_agreement={"gates": GATES, "m2r2": [0.5, 0.75]})
+    cfg.metrics = AdapterMetrics(heldout_agreement={"gates": GATES, "fast": [0.5, 0.75]})
     cfg.extra = {"recipe": {"steps": 2}}
     cfg.save(beside)
     converted = convert_in_process(beside, lm).config
@@ -209,7 +209,7 @@ def test_user_path_convert_then_chat(tmp_path):
         "m2r2-chat",
         "--adapters",
         out,
-        "--mode",
+        "--method",
         "speculative",
         "--prompt",
         "What is the capital of France?",

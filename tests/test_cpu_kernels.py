@@ -1,11 +1,10 @@
 """The CPU training kernels: exp, SwiGLU and attention equal MLX's own, values and gradients,
 and the swap into mlx-lm models is undone on exit."""
 
-from m2r2_mlx.training.cpu_kernels import fast_exp, fast_kernels, fast_sdpa, fast_swiglu
+from m2r2_mlx.training.cpu_kernels import FastAttention, FastMLP, fast_exp, fast_kernels, fast_sdpa, fast_swiglu
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm.models.llama as llama
 import numpy as np
 import pytest
 
@@ -62,11 +61,13 @@ def test_model_under_fast_kernels_matches_and_is_restored():
     lm = tiny_model("llama", seed=3)
     ids = mx.array([[1, 5, 9, 2, 7, 3, 3, 8]])
     before = lm.model(ids)
-    original = (llama.swiglu, llama.scaled_dot_product_attention)
-    with fast_kernels() as on:
-        assert on and llama.swiglu is fast_swiglu and llama.scaled_dot_product_attention is fast_sdpa
+    layer = lm.model.model.layers[0]
+    original = (layer.mlp, layer.self_attn)
+    with fast_kernels(lm.model) as on:
+        assert on and isinstance(layer.mlp, FastMLP) and isinstance(layer.self_attn, FastAttention)
+        assert layer.mlp.inner is original[0] and layer.self_attn.inner is original[1]
         during = lm.model(ids)
-    assert (llama.swiglu, llama.scaled_dot_product_attention) == original
+    assert layer.mlp is original[0] and layer.self_attn is original[1]  # the model's own modules, back
     np.testing.assert_allclose(np.array(during), np.array(before), atol=1e-4)
-    with fast_kernels(enabled=False) as on:
-        assert not on and llama.swiglu is original[0]
+    with fast_kernels(lm.model, enabled=False) as on:
+        assert not on and layer.mlp is original[0]

@@ -79,6 +79,6 @@ def test_distillation_under_the_cpu_kernels_gives_the_same_answers(lm):
 
     conversations = [["Name a colour."], ["Write one sentence about the sea and the wind."], ["What is 7 times 8?"]]
     exact = self_distill(lm, conversations, 10)
-    with fast_kernels() as on:
+    with fast_kernels(lm.model) as on:
         fast = self_distill(lm, conversations, 10)
     assert on and [t.tokens for t in fast] == [t.tokens for t in exact]

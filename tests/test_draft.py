@@ -5,13 +5,13 @@ penalty. The speculative options' checks are tested here too."""
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.costs import StepCosts
-from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.draft import Draft, verify
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.speculative import Speculator
+from m2r2_mlx.decoding.speculative import Speculator, SpeculatorSettings
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 
@@ -56,12 +56,12 @@ def tiny_m2r2(lm):
 
 
 def verify_all(model, tok, drafters, max_draft: int) -> Speculator:
-    return Speculator(model, tok, drafters, VerifyAll(drafters), max_draft=max_draft)
+    return Speculator(model, tok, drafters, VerifyAll(drafters), SpeculatorSettings(max_draft))
 
 
 def cost_planned(model, tok, drafters, max_draft: int = 8, **costs) -> Speculator:
     planner = CostPlanner(drafters, StepCosts(draft_fraction=0.2, **costs))
-    return Speculator(model, tok, drafters, planner, max_draft=max_draft)
+    return Speculator(model, tok, drafters, planner, SpeculatorSettings(max_draft))
 
 
 def engines(m2r2, tok):
@@ -93,7 +93,7 @@ def test_hybrid_and_cost_planned_drafting_are_greedy_exact(lm, tiny_m2r2):
             assert [e.token for e in got] == plain, name
             drafted += sum(stats.drafted_by.values())
             assert sum(stats.accept_lengths) + 1 == len(got)
-            assert all(e.source in ("lookup", "fast") for e in got if e.drafted)
+            assert all(e.spec.source in ("lookup", "fast") for e in got if e.drafted)
         assert drafted > 0, f"{name}: no draft was ever accepted, so nothing was tested"
 
 
@@ -116,13 +116,12 @@ def test_drafts_crossing_end_of_sequence(lm, tiny_m2r2):
         (dict(threshold=float("nan")), "[0, 1]"),
         (dict(threshold=-0.1), "[0, 1]"),
         (dict(gate=5), "not one of the adapters' gates"),
-        (dict(drafter="magic"), "unknown drafter"),
-        (dict(planner="sometimes"), "unknown planner"),
+        (dict(method="magic"), "must be one of: plain, speculative"),
     ],
 )
 def test_bad_speculative_options_are_one_line(lm, options, says):
     with pytest.raises(M2R2Error, match=None) as e:
-        make_decoder(lm, DecodeConfig("speculative", **options))
+        make_decoder(lm, DecodeConfig(**{"method": "speculative", **options}))
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
@@ -166,6 +165,8 @@ def test_events_name_their_drafter_and_the_plan(lm, tiny_m2r2):
     events = list(engine(prompt, None, GenerationConfig(30)))
     stats = collect(events)
     assert stats.drafted > 0 and sum(stats.drafted_by.values()) == stats.drafted
-    assert stats.plan and all(ev.plan for ev in events[1:])
-    lookup = next(ev for ev in events if ev.source == "lookup")
-    assert "italic" in str(token_text(lookup.text, lookup.exit_layer, lookup.num_layers, True, lookup.source).style)
+    assert stats.plan and all(ev.spec.plan for ev in events[1:])
+    lookup = next(ev for ev in events if ev.drafted and ev.spec.source == "lookup")
+    assert "italic" in str(
+        token_text(lookup.text, lookup.exit_layer, lookup.num_layers, True, lookup.spec.source).style
+    )

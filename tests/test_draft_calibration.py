@@ -89,15 +89,15 @@ def test_signal_table_splits_steps_by_what_is_known_before_drafting():
 @pytest.mark.slow
 def test_signals_read_the_full_models_probability_of_the_token_each_draft_follows(lm):
     from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-    from m2r2_mlx.decoding.decoders import make_drafter
     from m2r2_mlx.decoding.generate import generate
+    from m2r2_mlx.decoding.methods import fast_drafter
 
     import mlx.core as mx
 
     from experiments.draft_calibration import acceptance_by_confidence
 
     question = "Name three colours."
-    drafter = make_drafter(lm, DecodeConfig("speculative", threshold=0.0))
+    drafter = fast_drafter(lm, DecodeConfig(), None, threshold=0.0)
     pairs, signals = acceptance_by_confidence(lm, drafter, [{"turns": [question]}], max_tokens=16)
     assert len(pairs) == len(signals) > 3 and [a for _, a in pairs] == [a for *_, a in signals]
     assert signals[0][1] is None and [p for _, p, _ in signals[1:]] == [a for *_, a in signals[:-1]]

@@ -3,7 +3,7 @@ deeper gates ask more with scaled thresholds."""
 
 from m2r2_mlx.core.adapters import new_m2r2
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate, gate_thresholds
+from m2r2_mlx.decoding.early_exit import ExitPolicy, gate_thresholds
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.stats import AnswerStats
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from .tiny import tiny_model
+from experiments.exit_variants import exit_walker
+
+from .tiny import early_exit_generate, tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [64, 2, 88, 11], [9, 9, 30, 31, 32, 33, 34, 35]]
 
@@ -64,12 +66,12 @@ def mixed(i):  # exits at every depth in turn, and full passes between them
 @pytest.mark.parametrize(
     "source, schedule, fused",
     [
-        ("m2r2", None, True),
-        ("m2r2", None, False),
-        ("naive", None, True),
-        ("m2r2", mixed, True),
-        ("m2r2", mixed, False),
-        ("naive", mixed, True),
+        ("fast", None, True),
+        ("fast", None, False),
+        ("layerskip", None, True),
+        ("fast", mixed, True),
+        ("fast", mixed, False),
+        ("layerskip", mixed, True),
     ],
 )
 def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, schedule, fused):
@@ -83,8 +85,9 @@ def test_deferred_kv_fill_gives_the_full_models_cache(lm, tiny_m2r2, source, sch
                 lm.tokenizer,
                 prompt,
                 GenerationConfig(16),
-                policy=ExitPolicy(tau=0.0, source=source, schedule=schedule, fused=fused),
+                policy=ExitPolicy(tau=0.0),
                 cache=cache,
+                walker=exit_walker(source=source, schedule=schedule, fused=fused),
             )
         )
         exits |= {e.exit_layer for e in events[1:]}
@@ -98,7 +101,12 @@ def test_exits_only_at_allowed_gates(lm, tiny_m2r2):
         allowed = set(gates or tiny_m2r2.config.gates) | {8}
         events = list(
             early_exit_generate(
-                tiny_m2r2, lm.tokenizer, PROMPTS[0], GenerationConfig(12), policy=ExitPolicy(tau=0.0, gates=gates)
+                tiny_m2r2,
+                lm.tokenizer,
+                PROMPTS[0],
+                GenerationConfig(12),
+                policy=ExitPolicy(tau=0.0),
+                walker=exit_walker(gates=gates),
             )
         )
         assert {e.exit_layer for e in events[1:]} <= allowed
@@ -146,8 +154,9 @@ def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
             lm.tokenizer,
             PROMPTS[1],
             GenerationConfig(10),
-            policy=ExitPolicy(schedule=schedule, source="naive"),
+            policy=ExitPolicy(tau=0.9),
             cache=cache,
+            walker=exit_walker(schedule=schedule, source="layerskip"),
         )
     )
     assert [e.exit_layer for e in events[1:]] == [2 if i % 2 else 8 for i in range(1, 10)]
@@ -161,20 +170,16 @@ def test_fixed_schedule_and_second_turn_reuse(lm, tiny_m2r2):
             )
         )
     )
-    assert ev.prefill_tokens == 3
+    assert ev.timing.prefill_tokens == 3
 
 
 def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m2r2):
     """The fused pass gives the new token the fast state the trainer defines (ParallelKV over the whole
     sequence), also when earlier tokens are still pending in the interval's layers."""
-    from m2r2_mlx.decoding.early_exit import EarlyExit
-
     m, model = tiny_m2r2, tiny_m2r2.base
     (_, g2, g3), prompt = m.config.gates, PROMPTS[2]
     cache = full_cache(model, prompt[:-1])
-    walker = EarlyExit(
-        m, cache, ExitPolicy(tau=0.0, schedule=lambda i: g2)
-    )  # every token leaves at g2: pending from there
+    walker = exit_walker(schedule=lambda i: g2)(m, cache, ExitPolicy(tau=0.0))  # every token leaves at g2
     for i, tok in enumerate([prompt[-1], 40, 41]):
         walker.step(tok, i)
     assert [c for c, _ in walker.pending] == [g2, g2, g2]
@@ -195,14 +200,17 @@ def test_fused_fast_check_is_the_fast_stream_even_with_pending_tokens(lm, tiny_m
 def test_fused_and_unfused_layer_passes(lm, tiny_m2r2, fused):
     """Fused checks never read a layer twice: with tau above 1 (no exit) a token costs L passes;
     the unfused path pays the fast stream's interval on top, for every checked gate."""
-    policy = ExitPolicy(tau=1.01, fused=fused)
-    events = list(early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], GenerationConfig(6), policy=policy))
+    walker = exit_walker(fused=fused)
+    policy = ExitPolicy(tau=1.01)
+    events = list(
+        early_exit_generate(tiny_m2r2, lm.tokenizer, PROMPTS[0], GenerationConfig(6), policy=policy, walker=walker)
+    )
     stats = AnswerStats()
     for ev in events:
         stats.add(ev)
     steps = len(events) - 1  # the first token comes from the prefill
     extra = 0 if fused else sum(b - a for a, b in tiny_m2r2.config.intervals())
-    assert [ev.layer_passes for ev in events] == [0] + [8 + extra] * steps  # each token carries its own cost
+    assert [ev.exit.layer_passes for ev in events] == [0] + [8 + extra] * steps  # each token carries its own cost
     assert stats.layer_passes == steps * (8 + extra)
 
 
@@ -240,3 +248,19 @@ def test_exit_head_over_a_vocabulary_subset(lm, tiny_m2r2):
         )
         assert all(e.token in ids and e.exit_layer == 2 for e in always[1:])
         assert_cache_is_full_models(model, cache)
+
+
+def test_gates_off_decode_as_plain(lm, tiny_m2r2):
+    """Where no exit ever happens (tau above 1), the planner stops checking: the tokens are plain decoding's and
+    the later tokens run no check at all."""
+    from m2r2_mlx.decoding.exit_planner import GatePlanner
+
+    prompt, planner = [3, 4, 5, 6], GatePlanner(tiny_m2r2.config.gates, tiny_m2r2.parts.num_layers)
+    plain = [e.token for e in generate(tiny_m2r2.base, lm.tokenizer, prompt, GenerationConfig(40))]
+    events = list(
+        early_exit_generate(
+            tiny_m2r2, lm.tokenizer, prompt, GenerationConfig(40), policy=ExitPolicy(tau=1.01), planner=planner
+        )
+    )
+    assert [e.token for e in events] == plain
+    assert not any(planner.checked())

@@ -9,7 +9,7 @@ from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.arla import ARLA, ARLARule
 from m2r2_mlx.core.config import AdapterMetrics
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.early_exit import ExitPolicy, early_exit_generate
+from m2r2_mlx.decoding.early_exit import ExitPolicy
 from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.training.exit_decisions import collect_features, roc_auc, train_exit_decisions
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from .tiny import EosAs, tiny_model
+from .tiny import EosAs, early_exit_generate, tiny_model
 
 
 def test_roc_auc_equals_pairwise_count():
@@ -283,8 +283,8 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
 
 def test_exit_rule_follows_the_measured_auc(tiny):
     """Early exit uses ARLA only where it separated right from wrong exits better than confidence on average."""
-    from m2r2_mlx.decoding.decoders import exit_rule
     from m2r2_mlx.decoding.early_exit import confidence
+    from m2r2_mlx.decoding.methods import exit_rule
 
     _, m = tiny
     metrics = m.config.metrics

@@ -180,7 +180,9 @@ def test_gate_agreement_under_a_mask_scores_the_masked_positions_alone():
     r = gate_agreement(m, rows, mask=mask)
     alone = gate_agreement(m, rows[[1, 4]])
     assert r["tokens"] == 72 and r["scored"]["tokens"] == 24
-    assert r["scored"]["m2r2"] == pytest.approx(alone["m2r2"]) and r["scored"]["naive"] == pytest.approx(alone["naive"])
+    assert r["scored"]["fast"] == pytest.approx(alone["fast"]) and r["scored"]["layerskip"] == pytest.approx(
+        alone["layerskip"]
+    )
     assert "scored" not in gate_agreement(m, rows)
 
 
@@ -194,7 +196,7 @@ def test_perfect_exit_rule_bound():
     _randomize(both)
     one.update({"adapters": both.parameters()["adapters"][:2]})  # the same first interval
     seqs = [(_ids(T=12, B=1, seed=s)[0].tolist(), 4) for s in (1, 2)]
-    agree = answer_agreement(one, seqs)["m2r2"][0]
+    agree = answer_agreement(one, seqs)["fast"][0]
     assert 0 < agree < 1  # a non-trivial case
     L = one.parts.num_layers
     assert oracle_exit_saving(one, seqs) == pytest.approx(agree * (1 - 2 / L))

@@ -16,11 +16,11 @@ from .tiny import tiny_model
 
 
 def test_table_adds_the_baseline_column_only_when_measured():
-    r = {"gates": [6, 12], "naive": [0.05, 0.08], "m2r2": [0.2, 0.25], "tokens": 100}
+    r = {"gates": [6, 12], "layerskip": [0.05, 0.08], "fast": [0.2, 0.25], "tokens": 100}
     plain = table({"set": r})
     assert "baseline" not in plain and "| L6 | 5.0% | 20.0% |" in plain
     both = table({"set": {**r, "baseline": [0.15, 0.2]}})
-    assert "| gate | naive early exit | M2R2, baseline adapters | M2R2 fast stream |" in both
+    assert "| gate | layerskip (the slow state's own exit) | M2R2, baseline adapters | M2R2 fast stream |" in both
     assert "|---|---|---|---|" in both and "| L12 | 8.0% | 20.0% | 25.0% |" in both
 
 
@@ -65,7 +65,7 @@ def test_held_out_rows_of_several_files_each_keep_their_answer_positions(tmp_pat
     answers = results[f"held-out rows of {paths[1]}, answer and text positions only"]
     assert answers["tokens"] == mask[:2].sum() and "baseline" in answers
     direct = gate_agreement(m, np.load(paths[1])[:2], mask=mask[:2])["scored"]
-    assert answers["m2r2"] == direct["m2r2"] and answers["naive"] == direct["naive"]
+    assert answers["fast"] == direct["fast"] and answers["layerskip"] == direct["layerskip"]
 
 
 def test_naive_exit_after_every_layer_matches_the_gates_naive_exits(tmp_path):
@@ -76,7 +76,7 @@ def test_naive_exit_after_every_layer_matches_the_gates_naive_exits(tmp_path):
     rows = np.random.default_rng(1).integers(0, 64, size=(5, 16))
     curve = naive_agreement_by_layer(m.parts, row_batches(rows, batch_size=2))
     assert len(curve) == 6
-    at_gates = agreement(m, row_batches(rows, batch_size=2))["naive"]
+    at_gates = agreement(m, row_batches(rows, batch_size=2))["layerskip"]
     assert [curve[1], curve[3]] == at_gates  # after layers 2 and 4: the gates' naive exits
     assert len(set(curve[:-1])) > 1  # the exits differ from layer to layer
 
@@ -89,7 +89,7 @@ def test_every_layer_writes_a_table_row_per_layer_and_a_plot(tmp_path):
     rows = np.random.default_rng(2).integers(0, 64, size=(2, 12))
     from m2r2_mlx.training.evaluate import row_batches
 
-    results = {"rows": {"gates": [2, 4], "m2r2": [0.3, 0.6]}}
+    results = {"rows": {"gates": [2, 4], "fast": [0.3, 0.6]}}
     md = every_layer(m, {"rows": row_batches(rows)}, results, tmp_path / "naive_by_layer.png")
     assert "| layer | rows |" in md and "| L6 | 100.0% |" in md and md.count("\n| L") == 6
     assert (tmp_path / "naive_by_layer.png").stat().st_size > 10_000

@@ -3,8 +3,8 @@
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.compiled import CompiledSteps
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.generate import generate
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.registry import LoadedModel
@@ -28,8 +28,9 @@ def test_events_describe_each_token(lm, france_prompt):
     assert [e.index for e in events] == list(range(len(events)))
     assert all(e.exit_layer == e.num_layers == 30 and not e.drafted for e in events)
     assert all(e.finish_reason is None for e in events[:-1])
-    assert all(e.prompt_tokens == e.prefill_tokens == len(france_prompt) for e in events)
-    assert events[-1].elapsed_s > 0 and events[0].prompt_time_s > 0 and events[-1].peak_memory_gb > 0.1
+    assert all(e.timing.prompt_tokens == e.timing.prefill_tokens == len(france_prompt) for e in events)
+    t0, t1 = events[0].timing, events[-1].timing
+    assert t1.elapsed_s > 0 and t0.prompt_time_s > 0 and t1.peak_memory_gb > 0.1
     assert lm.tokenizer.decode([e.token for e in events[:-1]]) == "".join(e.text for e in events)
 
 
@@ -103,4 +104,4 @@ def test_compiled_steps_decode_as_the_eager_loop(lm):
 def test_compile_refuses_an_moe(lm):
     moe = LoadedModel("moe", lm.path, lm.model, lm.tokenizer, dict(lm.config, num_experts=8))
     with pytest.raises(M2R2Error, match="dense models"):
-        make_decoder(moe, DecodeConfig(compile=True))
+        make_decoder(moe, DecodeConfig("plain", compile=True))

@@ -1,6 +1,6 @@
 """Adapters on the Hugging Face Hub, against a fake hub: a Hugging Face cache folder laid out as huggingface_hub
 lays out its downloads, read by huggingface_hub itself in offline mode (no network). Repo ids resolve to their
-snapshot, the adapters name their base model, a mode without adapters fails before any download, and
+snapshot, the adapters name their base model, a method without adapters fails before any download, and
 m2r2-train's upload writes what a later --adapters REPO reads back."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from m2r2_mlx.core.hub import (
     resolve_model_and_adapters,
     upload_adapters,
 )
-from m2r2_mlx.decoding.decoders import resolve_for_mode
+from m2r2_mlx.decoding.methods import resolve_for_method
 from m2r2_mlx.errors import M2R2Error
 
 import pytest
@@ -77,11 +77,11 @@ def test_bad_adapter_names(name, message, hub):
         resolve_adapters(name)
 
 
-def test_modes_needing_adapters_fail_from_names_alone(hub):
-    with pytest.raises(M2R2Error, match="mode 'early-exit' needs M2R2 adapters for 'phi3'.*--adapters"):
-        resolve_for_mode("phi3", None, "early-exit")
+def test_methods_needing_adapters_fail_from_names_alone(hub):
+    with pytest.raises(M2R2Error, match="method 'early-exit' needs M2R2 adapters for 'phi3'.*--adapters"):
+        resolve_for_method("phi3", None, "early-exit")
     for mode in ("lookup", "speculative"):  # speculative drafts by prompt lookup alone without adapters
-        assert resolve_for_mode("phi3", None, mode) == ("phi3", None)
+        assert resolve_for_method("phi3", None, mode) == ("phi3", None)
     assert not any(hub.cache.iterdir())  # nothing was fetched
 
 
@@ -124,7 +124,7 @@ def test_chat_mode_without_adapters_fails_before_any_download(tmp_path):
         "m2r2_tui.chat",
         "--model",
         "phi3",
-        "--mode",
+        "--method",
         "early-exit",
         "-p",
         "hi",
@@ -153,7 +153,7 @@ def test_chat_with_adapters_repo_alone_picks_the_model(tmp_path):
         "m2r2_tui.chat",
         "--adapters",
         "someone/smollm2-m2r2",
-        "--mode",
+        "--method",
         "speculative",
         "-m",
         "12",

@@ -73,8 +73,8 @@ def _chat(*args):
     "args, message",
     slow_after_first(
         [
-            (["--kv-bits", "4", "--mode", "speculative"], "--kv-bits works with --mode plain only"),
-            (["--max-kv-size", "256", "--mode", "early-exit"], "--max-kv-size works with --mode plain only"),
+            (["--kv-bits", "4", "--method", "speculative"], "--kv-bits works with --method plain only"),
+            (["--max-kv-size", "256", "--method", "early-exit"], "--max-kv-size works with --method plain only"),
             (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
             (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
             (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
@@ -87,12 +87,12 @@ def test_bad_kv_options_are_one_line(args, message):
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
 
 
-def test_server_refuses_a_mode_its_kv_cache_does_not_serve():
-    defaults = DecodingOptions.from_values(vars(build_parser().parse_args(["--kv-bits", "4"])))
+def test_server_refuses_a_method_its_kv_cache_does_not_serve():
+    defaults = DecodingOptions.from_values(vars(build_parser().parse_args(["--kv-bits", "4", "--method", "plain"])))
     worker = ModelWorker(lambda: None, packaged_adapters("smollm2"), defaults)  # not started: submit only queues
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    with pytest.raises(RequestError, match="--kv-bits works with --mode plain only") as e:
-        worker.submit(parse_request("chat", {**body, "mode": "speculative"}, defaults))
-    assert e.value.status == 400 and e.value.param == "mode"
+    with pytest.raises(RequestError, match="--kv-bits works with --method plain only") as e:
+        worker.submit(parse_request("chat", {**body, "method": "speculative"}, defaults))
+    assert e.value.status == 400 and e.value.param == "method"
     worker.submit(parse_request("chat", body, defaults))  # plain: queued
     assert worker.jobs.qsize() == 1

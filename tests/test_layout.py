@@ -1,6 +1,7 @@
 """The code's shape: ruff's checks and formatter pass, imports point one way along the layers (models -> core ->
 decoding -> apps), so a folder can be read knowing only the ones below it; files and signatures stay small; the
-command line's Namespace stops at each CLI's main(); modes and MoE predictors are registered in one place each."""
+command line's Namespace stops at each CLI's main(); methods and MoE predictors are registered in one place each;
+classes stay small; nothing reaches into another module or class to replace what it holds."""
 
 from __future__ import annotations
 
@@ -146,14 +147,14 @@ def test_the_namespace_stops_at_main():
 
 # each registry: the module that holds it, the class its entries are, and the name of the registry itself
 REGISTRIES = {
-    "Mode": ("m2r2_mlx/decoding/decoders.py", "MODES"),
+    "Method": ("m2r2_mlx/decoding/methods.py", "METHODS"),
     "PredictorEntry": ("m2r2_mlx/moe/predictors.py", "PREDICTORS"),
 }
 
 
 @pytest.mark.parametrize("entry", sorted(REGISTRIES))
 def test_registries_are_filled_in_one_place(entry):
-    """A decoding mode (or an MoE predictor) is one entry in its registry: none is made, and no registry of the
+    """A decoding method (or an MoE predictor) is one entry in its registry: none is made, and no registry of the
     same name is kept, anywhere else."""
     home, registry = REGISTRIES[entry]
     wrong = []
@@ -187,3 +188,96 @@ def test_every_package_is_installed_under_the_projects_name():
         if name not in listed:
             missing.append(name)
     assert all(name.startswith("m2r2_") for name in listed) and not missing, missing
+
+
+def _class_attributes(cls: ast.ClassDef) -> set[str]:
+    """What a class's instances hold: its annotated fields and every ``self.x`` a method of its own assigns."""
+    names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    for fn in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                for leaf in ast.walk(t) if t is not None else ():
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
+                        if isinstance(leaf.ctx, ast.Store):
+                            names.add(leaf.attr)
+    return names
+
+
+def _is_settings(cls: ast.ClassDef) -> bool:
+    """A frozen dataclass, or a dataclass named ...Config: a record of settings (as mlx-lm's ModelArgs), whose
+    fields are choices rather than state its methods keep."""
+    for d in cls.decorator_list:
+        if isinstance(d, ast.Call) and ast.unparse(d.func) == "dataclass":
+            frozen = any(k.arg == "frozen" and ast.unparse(k.value) == "True" for k in d.keywords)
+            return frozen or cls.name.endswith("Config")
+        if ast.unparse(d) == "dataclass":
+            return cls.name.endswith("Config")
+    return False
+
+
+def test_no_class_in_the_engine_holds_more_than_15_attributes():
+    """A class with more state than that does several jobs: split it by concern (settings records excepted)."""
+    big = []
+    for path in sources(("m2r2_mlx",)):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not _is_settings(node) and len(found := _class_attributes(node)) > 15:
+                big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({len(found)}: {sorted(found)})")
+    assert not big, "\n".join(big)
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _patches(tree: ast.Module) -> list[tuple[int, str]]:
+    """Assignments that replace what another module or a class holds: ``module.name = ...`` or ``Class.method =
+    ...`` on an imported name, any ``x.__class__ = ...``, and setattr on anything but ``self``."""
+    imported, found = _imported_names(tree), []
+    for node in ast.walk(tree):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for t in targets:
+            for leaf in ast.walk(t):
+                if not (isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store)):
+                    continue
+                if leaf.attr == "__class__":
+                    found.append((node.lineno, "assigns __class__"))
+                root = leaf.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in imported:
+                    found.append((node.lineno, f"assigns {ast.unparse(leaf)}"))
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in ("setattr", "object.__setattr__", "type.__setattr__") and node.args:
+                first = node.args[0]
+                if not (isinstance(first, ast.Name) and first.id == "self") or "__class__" in ast.unparse(node):
+                    found.append((node.lineno, f"calls {ast.unparse(node)}"))
+    return found
+
+
+def test_nothing_outside_tests_patches_another_module_or_class():
+    """Tools watch the engine through hooks (m2r2_mlx/tracing.py) and swap modules with ``update_modules``
+    (or torch's ``set_submodule``); none replaces a module's function, a class's method or an object's class."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} {what}"
+        for path in sources(APP_DIRS + ("experiments", "scripts"))
+        for line, what in _patches(ast.parse(path.read_text()))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_patch_finder_finds_patches():
+    found = _patches(
+        ast.parse(
+            "import mlx.nn as nn\nfrom m2r2_mlx.decoding import speculative\nnn.Linear.__call__ = f\n"
+            "speculative.NextToken = g\nplanner.__class__ = C\nsetattr(owner, 'rope', h)\nself.x = 1\n"
+        )
+    )
+    assert [line for line, _ in found] == [3, 4, 5, 6]

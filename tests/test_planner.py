@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.costs import StepCosts
-from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.draft import Draft
 from m2r2_mlx.decoding.drafters import PromptLookupDrafter
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.protocols import DraftRequest, Planner, StepPlan
 from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.speculative import Speculator
+from m2r2_mlx.decoding.speculative import Speculator, SpeculatorSettings
 from m2r2_mlx.decoding.stats import AnswerStats
 
 import mlx.core as mx
@@ -33,7 +33,7 @@ def reference_lookup(model, prompt: list[int], max_tokens: int, max_draft: int) 
     y = int(mx.argmax(cache.forward(prompt)[-1]).item())
     out, per_step = [y], []
     while len(out) < max_tokens:
-        drafts = lookup.continuation(prompt + out, min(max_draft, max_tokens - len(out) - 1))
+        drafts, _ = lookup.continuation(prompt + out, min(max_draft, max_tokens - len(out) - 1))
         targets = np.array(mx.argmax(cache.forward([y, *drafts]), axis=-1)).tolist()
         k = next((i for i, d in enumerate(drafts) if d != targets[i]), len(drafts))
         cache.trim(len(drafts) - k)
@@ -50,7 +50,7 @@ def test_verify_all_with_lookup_alone_is_prompt_lookup_decoding(lm):
     prompt = [int(t) for t in np.random.default_rng(0).permutation(V)] * 2
     tok = EosAs(lm.tokenizer, eos=10**6)
     drafters = [PromptLookupDrafter()]
-    engine = Speculator(model, tok, drafters, VerifyAll(drafters), max_draft=3, name="lookup")
+    engine = Speculator(model, tok, drafters, VerifyAll(drafters), SpeculatorSettings(3, "lookup"))
     assert isinstance(engine.planner, Planner)
     stats = AnswerStats()
     tokens = [(stats.add(ev), ev.token)[1] for ev in engine(prompt, None, GenerationConfig(40))]
@@ -86,7 +86,7 @@ def test_a_plain_stretch_times_only_tokens_that_queued_the_next_step(lm):
     before): neither is timed; every token between is."""
     model = tiny_model("llama", seed=5, vocab_size=V, num_hidden_layers=2).model
     planner = PlainOnly()
-    engine = Speculator(model, EosAs(lm.tokenizer, eos=10**6), [PromptLookupDrafter()], planner, max_draft=3)
+    engine = Speculator(model, EosAs(lm.tokenizer, eos=10**6), [PromptLookupDrafter()], planner, SpeculatorSettings(3))
     tokens = [ev.token for ev in engine(list(range(V)), None, GenerationConfig(12))]
     assert len(tokens) == 12 and all(o.plain for o in planner.outcomes) and len(planner.outcomes) == 11
     timed = [o.seconds is not None for o in planner.outcomes]

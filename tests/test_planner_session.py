@@ -7,7 +7,7 @@ import time
 
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.stats import AnswerStats
 

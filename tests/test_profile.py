@@ -30,7 +30,7 @@ def moe_folder(tmp_path_factory):
 
 
 def config(model, mode="plain", tokens=12, experts=None, adapters=None) -> ProfileConfig:
-    options = DecodingOptions.from_values({"mode": mode, "max_tokens": tokens})
+    options = DecodingOptions.from_values({"method": mode, "max_tokens": tokens})
     return ProfileConfig(str(model) if model else "smollm2", adapters, options, PROMPT, experts=experts)
 
 
@@ -98,29 +98,25 @@ def test_moe_within_a_budget_profiles_its_expert_work(moe_folder, tmp_path, monk
 
 
 def test_instrumentation_is_undone(moe_folder, tmp_path, monkeypatch):
-    from m2r2_mlx.decoding import generate, speculative
+    """The profiler swaps the model's modules for timed stand-ins (update_modules) and back: the model's own
+    modules return, and its parameter tree keeps every weight (under the stand-in's ``module``) meanwhile."""
+    from m2r2_mlx.decoding.methods import make_decoder
     from m2r2_mlx.models.registry import load_model
 
+    from m2r2_profiler.instrument import ProfileTracer, Timed, instrument
+
     monkeypatch.setenv("M2R2_HOME", str(tmp_path / "home"))
-    before = (generate.NextToken, speculative.verify, speculative.NextToken)
     lm = load_model(str(moe_folder))
     layer = lm.model.model.layers[0]
-    classes = (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens))
+    originals = (layer.self_attn, layer.mlp, lm.model.model.embed_tokens)
     names = [k for k, _ in tree_flatten(lm.model.parameters())]
-
-    from m2r2_mlx.decoding.decoders import make_decoder
-    from m2r2_mlx.decoding.prompt_cache import PromptCache
-
-    from m2r2_profiler.instrument import Target, instrument
-    from m2r2_profiler.spans import Recorder
-
-    cache = PromptCache(lm.model)
-    with instrument(Recorder(), Target(lm.model, make_decoder(lm, "plain"), cache)):
-        assert type(layer.self_attn) is not classes[0] and isinstance(layer.self_attn, classes[0])
-        assert [k for k, _ in tree_flatten(lm.model.parameters())] == names  # the parameter tree is untouched
-    assert (type(layer.self_attn), type(layer.mlp), type(lm.model.model.embed_tokens)) == classes
-    assert (generate.NextToken, speculative.verify, speculative.NextToken) == before
-    assert "forward" not in vars(cache)
+    with instrument(ProfileTracer(), lm.model, make_decoder(lm, "plain")):
+        assert isinstance(layer.self_attn, Timed) and layer.self_attn.module is originals[0]
+        assert layer.self_attn.n_heads == originals[0].n_heads  # the stand-in reads through to the module
+        inside = [k for k, _ in tree_flatten(lm.model.parameters())]
+        assert len(inside) == len(names) and all(".module." in k for k in inside if "self_attn" in k)
+    assert (layer.self_attn, layer.mlp, lm.model.model.embed_tokens) == originals
+    assert [k for k, _ in tree_flatten(lm.model.parameters())] == names
 
 
 def test_without_matplotlib_the_png_is_skipped(tmp_path, monkeypatch):
@@ -133,7 +129,7 @@ def test_without_matplotlib_the_png_is_skipped(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--mode", "nosuch"], "invalid choice: 'nosuch'"),
+        (["--method", "nosuch"], "invalid choice: 'nosuch'"),
         (["--tokens", "0"], "--tokens must be at least 1"),
         (["--metal-capture", "decode.gputrace"], "--metal-capture needs a Mac"),
         (["--trace", "/no/such/folder/t.json"], "the folder of --trace"),

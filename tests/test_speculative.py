@@ -7,7 +7,6 @@ from m2r2_mlx.decoding.generate import generate
 from m2r2_mlx.decoding.history import TokenHistory
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.sampling import Sampling
-from m2r2_mlx.decoding.speculative import speculative_generate
 from m2r2_mlx.decoding.stats import AnswerStats
 
 import mlx.core as mx
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from .tiny import EosAs, draft_chain, tiny_model
+from .tiny import EosAs, draft_chain, speculative_generate, tiny_model
 from .tiny import random_prompts as _prompts
 
 
@@ -159,4 +158,4 @@ def test_token_history_grows_without_changing_what_it_handed_out():
     assert before.tolist() == list(range(250))  # a view handed out earlier still reads its tokens
     assert history.view().tolist() == [*range(250), *range(1000, 1100), 7]
     found = PromptLookupDrafter().continuation(TokenHistory([5, 6, 7, 1, 5, 6]).view(), 3)
-    assert found == [7, 1, 5]  # lookup reads the view as it reads a list
+    assert found == ([7, 1, 5], 2)  # lookup reads the view as it reads a list (matched: the 2-gram 5 6)

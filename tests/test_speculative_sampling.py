@@ -17,14 +17,14 @@ from m2r2_mlx.decoding.draft import Verified
 from m2r2_mlx.decoding.drafters import LayerDrafter, PromptLookupDrafter
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.sampling import Sampling, sample_from, sampling_probs
-from m2r2_mlx.decoding.speculative import Speculator, speculative_generate
+from m2r2_mlx.decoding.speculative import Speculator, SpeculatorSettings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from .tiny import EosAs, tiny_model
+from .tiny import EosAs, speculative_generate, tiny_model
 
 V, N = 12, 2000
 PROMPT = [3, 5, 7, 3, 5]
@@ -76,7 +76,7 @@ def both(m2r2, prior: float | None = None) -> list:
 
 
 def cost_planned(model, tok, drafters) -> Speculator:
-    return Speculator(model, tok, drafters, CostPlanner(drafters, StepCosts(draft_fraction=0.2)), max_draft=2)
+    return Speculator(model, tok, drafters, CostPlanner(drafters, StepCosts(draft_fraction=0.2)), SpeculatorSettings(2))
 
 
 def chain(model, tok, drafter):
@@ -116,7 +116,7 @@ def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatc
         "chain m2r2": chain(model, tok, LayerDrafter(m2r2, 0)),
         "chain m2r2 threshold": chain(model, tok, LayerDrafter(m2r2, 0, threshold=0.3)),
         "chain lookup": chain(model, tok, PromptLookupDrafter()),
-        "hybrid lookup+m2r2": Speculator(model, tok, both(m2r2), VerifyAll(both(m2r2)), max_draft=2),
+        "hybrid lookup+fast": Speculator(model, tok, both(m2r2), VerifyAll(both(m2r2)), SpeculatorSettings(2)),
         "hybrid lookup+m2r2 cost planner": cost_planned(model, tok, both(m2r2, prior=0.9)),
     }
     if s.top_k or s.reads_history:  # the new options: the hybrid engines carry the weight

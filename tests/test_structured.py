@@ -8,8 +8,8 @@ import json
 
 import m2r2_mlx  # noqa: F401
 from m2r2_mlx.decoding.config import GenerationConfig
-from m2r2_mlx.decoding.decoders import make_decoder
 from m2r2_mlx.decoding.grammar import Constraint, json_schema_grammar
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.errors import M2R2Error
 
 import jsonschema
@@ -71,7 +71,7 @@ def test_lossless_modes_give_plains_constrained_tokens_and_logprobs(lm, decoders
     assert max(abs(a.logprob - b.logprob) for a, b in zip(events, plain)) < 1e-3
     assert [t for t, _ in events[5].top_logprobs] == [t for t, _ in plain[5].top_logprobs]
     drafted = [e for e in events if e.drafted]
-    assert any(e.source == "grammar" for e in drafted)  # keys and separators drafted for free
+    assert any(e.spec.source == "grammar" for e in drafted)  # keys and separators drafted for free
     assert len(events) / (len(events) - len(drafted)) > 1.5
 
 

@@ -1,8 +1,8 @@
 """SVG snapshots of the chat's main screens, on the real default model (pytest-textual-snapshot).
 
 What varies between machines and runs is pinned, nothing else: the decode clock (a fake
-perf_counter inside the decoding engine only), the BLAS line, the peak-memory reading and
-the input's blinking cursor (held solid).
+perf_counter inside the decoding engine only: the events' timings and the clock the adaptive methods learn
+their costs from), the BLAS line, the peak-memory reading and the input's blinking cursor (held solid).
 Tokens, the answer as Markdown, their exit-depth colours (F5), the legend, the panel layout and the histogram
 are real.
 Update after an intended UI change with: pytest tests/test_tui_snapshots.py --snapshot-update
@@ -11,6 +11,7 @@ Update after an intended UI change with: pytest tests/test_tui_snapshots.py --sn
 from types import SimpleNamespace
 
 import m2r2_mlx.decoding.events as events_module
+import m2r2_mlx.tracing as tracing_module
 from m2r2_mlx.models.blas import BlasInfo
 
 import mlx.core as mx
@@ -29,7 +30,9 @@ SIZE = (110, 30)
 @pytest.fixture
 def steady(monkeypatch):
     ticks = iter(range(10**9))
-    monkeypatch.setattr(events_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 0.05))
+    clock = SimpleNamespace(perf_counter=lambda: next(ticks) * 0.05)
+    monkeypatch.setattr(events_module, "time", clock)
+    monkeypatch.setattr(tracing_module, "time", clock)
     monkeypatch.setattr(app_module, "blas_info", lambda: BlasInfo("openblas", None, ""))
     monkeypatch.setattr(mx, "get_peak_memory", lambda: 600_000_000)
 
@@ -43,7 +46,7 @@ def _steady_cursor(pilot):
     pilot.app.query_one("#input", Composer).cursor_blink = False
 
 
-def test_snapshot_plain_answer(lm, steady, snap_compare):
+def test_snapshot_default_answer(lm, steady, snap_compare):
     async def ask(pilot):
         _steady_cursor(pilot)
         await _ask(pilot, pilot.app, "What is the capital of France?")
@@ -57,4 +60,4 @@ def test_snapshot_early_exit_colours(lm, steady, snap_compare):
         await _ask(pilot, pilot.app, "Name three colors.")
         await pilot.press("f5")  # the answer's tokens in their exit-depth colours rather than as Markdown
 
-    assert snap_compare(_app(lm, "--mode", "early-exit", "--tau", "0.6"), terminal_size=SIZE, run_before=ask)
+    assert snap_compare(_app(lm, "--method", "early-exit", "--tau", "0.6"), terminal_size=SIZE, run_before=ask)

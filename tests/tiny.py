@@ -99,3 +99,20 @@ def draft_chain(drafter, cache, token: int, limit: int, s=None, eos_ids=()) -> t
     drafter.propose(draft, DraftRequest(cache, context, limit, s or Sampling(), set(eos_ids)))
     laws = draft.laws[1:]
     return draft.tokens[1:], (mx.stack(laws) if laws and laws[0] is not None else None)
+
+
+def speculative_generate(model, tokenizer, prompt, drafter, generation=None, *, max_draft: int, cache=None):
+    """Speculative decoding with one drafter whose every draft is verified (planner.VerifyAll)."""
+    from m2r2_mlx.decoding.planner import VerifyAll
+    from m2r2_mlx.decoding.speculative import Speculator, SpeculatorSettings
+
+    engine = Speculator(model, tokenizer, [drafter], VerifyAll([drafter]), SpeculatorSettings(max_draft))
+    return engine(prompt, cache, generation)
+
+
+def early_exit_generate(m2r2, tokenizer, prompt, generation=None, *, policy, cache=None, walker=None, planner=None):
+    """Early exit over ``m2r2`` with ``policy`` (and a study's ``walker``, a ``planner``), as a function."""
+    from m2r2_mlx.decoding.early_exit import EarlyExit, EarlyExitDecoder
+
+    decoder = EarlyExitDecoder(m2r2, tokenizer, policy, walker=walker or EarlyExit, planner=planner)
+    return decoder(prompt, cache, generation)

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from m2r2_mlx.decoding.decoders import LIVE_MODES
+from m2r2_mlx.decoding.methods import LIVE_METHODS, METHODS
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.models.blas import blas_info
@@ -30,8 +30,8 @@ from .render import legend, token_text
 from .session import ChatSetup, decoder_for, make_session
 
 HELP = (
-    "Enter sends, Ctrl+J new line · F2 next mode · F3/F4 tau -/+ · F5 Markdown/exit colours · "
-    "/mode plain|speculative|early-exit · /tau X · /regen  answer again · "
+    "Enter sends, Ctrl+J new line · F2 next method · F3/F4 tau -/+ · F5 Markdown/exit colours · "
+    f"/method {'|'.join(LIVE_METHODS)} · /tau X · /regen  answer again · "
     "/reset  new conversation · /save FILE (/save! FILE overwrites) · /load FILE · /copy  copy last answer · /quit"
 )
 
@@ -77,7 +77,7 @@ class ChatApp(App):
         Binding("ctrl+r", "regen", "Regenerate"),
         Binding("ctrl+y", "copy", "Copy answer"),
         Binding("ctrl+l", "reset", "New chat"),
-        Binding("f2", "next_mode", "Mode"),
+        Binding("f2", "next_method", "Method"),
         Binding("f3", "tau(-0.05)", "tau-"),
         Binding("f4", "tau(0.05)", "tau+"),
         Binding("f5", "toggle_colours", "Markdown/colours"),
@@ -108,7 +108,7 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = f"{self.setup.model} · {self.setup.mode}"
+        self.sub_title = f"{self.setup.model} · {self.setup.method}"
         self.mlx.submit(self._job_load)
 
     def on_unmount(self) -> None:
@@ -129,61 +129,67 @@ class ChatApp(App):
         self.call_from_thread(self._model_ready)
 
     def _model_ready(self) -> None:
-        self._show_mode()
+        self._show_method()
         self._update_stats(AnswerStats())
         self._post(f"ready · {blas_info().describe()} · {HELP}", "notice")
+        self._post(self._method_line(), "notice")
         if self.session.decode.note:
             self._post(f"note: {self.session.decode.note}", "notice")
         self._unlock_input()
 
-    def _show_mode(self) -> None:
-        tau = f" · tau {self.setup.options.decode.tau:.2f}" if self.setup.mode == "early-exit" else ""
-        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.setup.mode}{tau}"
+    def _show_method(self) -> None:
+        tau = f" · tau {self.setup.options.decode.tau:.2f}" if self.setup.method == "early-exit" else ""
+        self.sub_title = f"{self.lm.path.name} · {self.lm.num_layers} layers · {self.setup.method}{tau}"
         depths = self.session.decode.exit_layers
         self.query_one("#legend", Static).update(legend(depths, self.lm.num_layers))
 
-    def _mode_text(self) -> str:
-        mode = self.setup.mode
-        return mode + (f" (tau {self.setup.options.decode.tau:.2f})" if mode == "early-exit" else "")
+    def _method_text(self) -> str:
+        method = self.setup.method
+        return method + (f" (tau {self.setup.options.decode.tau:.2f})" if method == "early-exit" else "")
 
-    # ---- live mode switching: the conversation and its cache carry over ----------------------
-    def switch_mode(self, mode: str, tau: float | None = None) -> None:
+    def _method_line(self) -> str:
+        """What the method in use does, and what its knob trades."""
+        return f"method {self._method_text()}: {METHODS[self.setup.method].pick_when}"
+
+    # ---- live method switching: the conversation and its cache carry over ----------------------
+    def switch_method(self, method: str, tau: float | None = None) -> None:
         if self.session is None:
             return
         if self.streaming:
             self.notify("wait for the answer to finish (Esc cancels it)")
             return
-        if mode not in LIVE_MODES:
-            self._post(f"error: unknown mode {mode!r}; choose one of {', '.join(LIVE_MODES)}", "notice")
+        if method not in LIVE_METHODS:
+            self._post(f"error: unknown method {method!r}; choose one of {', '.join(LIVE_METHODS)}", "notice")
             return
         tau = None if tau is None else min(max(tau, 0.0), 1.01)
-        self.mlx.submit(lambda: self._job_switch(mode, tau))
+        self.mlx.submit(lambda: self._job_switch(method, tau))
 
-    def _job_switch(self, mode: str, tau: float | None) -> None:
+    def _job_switch(self, method: str, tau: float | None) -> None:
         """Runs on the MLX thread: a new decoder for the same session (history and cache kept)."""
-        try:  # a KV cache shaped by --max-kv-size/--kv-bits serves plain mode only: with_mode refuses the others
-            setup = self.setup.with_mode(mode, tau)
+        try:  # a KV cache shaped by --max-kv-size/--kv-bits serves plain only: with_method refuses the others
+            setup = self.setup.with_method(method, tau)
             decoder = decoder_for(setup, self.lm)
         except M2R2Error as e:
             self.call_from_thread(self._post, f"error: {e}", "notice")
             return
         self.session.decode = decoder  # here, before the next job on this thread
-        self.call_from_thread(self._mode_switched, setup)
+        self.call_from_thread(self._method_switched, setup)
 
-    def _mode_switched(self, setup: ChatSetup) -> None:
+    def _method_switched(self, setup: ChatSetup) -> None:
         self.setup = setup
-        self._show_mode()
-        self.notify(f"mode: {self._mode_text()}")
+        self._show_method()
+        self.notify(f"method: {self._method_text()}")
+        self._post(self._method_line(), "notice")
         if self.session.decode.note:
             self._post(f"note: {self.session.decode.note}", "notice")
 
-    def action_next_mode(self) -> None:
-        mode = self.setup.mode
-        i = LIVE_MODES.index(mode) if mode in LIVE_MODES else -1
-        self.switch_mode(LIVE_MODES[(i + 1) % len(LIVE_MODES)])
+    def action_next_method(self) -> None:
+        method = self.setup.method
+        i = LIVE_METHODS.index(method) if method in LIVE_METHODS else -1
+        self.switch_method(LIVE_METHODS[(i + 1) % len(LIVE_METHODS)])
 
     def action_tau(self, delta: float) -> None:
-        self.switch_mode("early-exit", round(self.setup.options.decode.tau + delta, 2))
+        self.switch_method("early-exit", round(self.setup.options.decode.tau + delta, 2))
 
     # ---- helpers ------------------------------------------------------------------------
     def _post(self, text: str | Text, classes: str = "") -> Static:
@@ -213,7 +219,7 @@ class ChatApp(App):
     def _update_stats(self, s: AnswerStats) -> None:
         accepted = s.accepted_per_step
         self.query_one("#stats", Static).update(
-            f"mode     {self.setup.mode:>14s}\n"
+            f"method   {self.setup.method:>14s}\n"
             f"tokens/s       {s.tokens_per_s:8.1f}\n"
             f"tokens         {s.tokens:8d}\n"
             f"accepted/step  {accepted:8.2f}\n"
@@ -265,7 +271,8 @@ class ChatApp(App):
             try:
                 for ev in stream:
                     stats.add(ev)
-                    text.append_text(token_text(ev.text, ev.exit_layer, ev.num_layers, ev.drafted, ev.source))
+                    source = ev.spec.source if ev.spec else None
+                    text.append_text(token_text(ev.text, ev.exit_layer, ev.num_layers, ev.drafted, source))
                     self.call_from_thread(self._stream_progress, widget, text.copy(), stats)
                     if self.cancel_event.is_set():
                         note = "cancelled"
@@ -352,14 +359,14 @@ class ChatApp(App):
                     elif m["role"] == "assistant":
                         self._show_markdown(self._post(Text(m["content"]), "assistant"), m["content"])
                 self._post(f"loaded {Path(arg).name}", "notice")
-            elif cmd == "/mode":
-                self.switch_mode(arg)
+            elif cmd in ("/method", "/mode"):
+                self.switch_method(arg)
             elif cmd == "/tau":
                 try:
                     tau = float(arg)
                 except ValueError:
                     raise M2R2Error("usage: /tau X, a number in [0, 1] (above 1 never exits)") from None
-                self.switch_mode("early-exit", tau)
+                self.switch_method("early-exit", tau)
             elif cmd in ("/quit", "/exit"):
                 self.exit()
             elif cmd == "/help":

@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.decoding.decoders import resolve_for_mode
 from m2r2_mlx.decoding.grammar import json_schema_grammar
+from m2r2_mlx.decoding.methods import resolve_for_method
 from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
@@ -28,7 +28,7 @@ from m2r2_mlx.moe.predictors import PREDICTORS
 from .app import ChatApp
 from .session import ChatSetup, ExpertBudget, make_session
 
-SERVED_PREDICTORS = [name for name, e in PREDICTORS.items() if not e.control]  # the measurement controls stay out
+SERVED_PREDICTORS = list(PREDICTORS)  # the measurement controls live in the bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="every answer is JSON valid under this JSON schema (structured output, in every mode)",
+        help="every answer is JSON valid under this JSON schema (structured output, in every method)",
     )
     p.add_argument(
         "--memory-budget",
@@ -77,13 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def chat_setup(values: dict) -> ChatSetup:
     """From the command line's values: options in range, then the model and adapters decided from their names (a
-    mode that needs adapters the model has none of fails here, before any download)."""
+    method that needs adapters the model has none of fails here, before any download)."""
     options = DecodingOptions.from_values(values)
     if values.get("json_schema") is not None:
         options = replace(
             options, generation=replace(options.generation, grammar=schema_grammar(values["json_schema"]))
         )
-    model, folder = resolve_for_mode(values["model"], values["adapters"], options.decode.mode)
+    model, folder = resolve_for_method(values["model"], values["adapters"], options.decode.method)
     experts = None
     if values["memory_budget"] is not None:
         experts = ExpertBudget(values["memory_budget"], values["expert_predictor"])
@@ -117,7 +117,7 @@ def one_shot(setup: ChatSetup, prompt: str) -> int:
         c = session.expert_cache.stats
         experts = f" | experts: {c.hit_rate:.0%} hit, {c.bytes_per_token / 1e6:.2f} MB/token moved"
         session.expert_cache.close()  # stop the expert loader thread
-    print(f"[{lm.name} | {setup.mode} | {stats.summary()}{experts} | {blas_info().name} BLAS]", file=sys.stderr)
+    print(f"[{lm.name} | {setup.method} | {stats.summary()}{experts} | {blas_info().name} BLAS]", file=sys.stderr)
     return 0
 
 

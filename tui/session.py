@@ -1,13 +1,13 @@
 """What m2r2-chat runs: a ``ChatSetup`` (the model and adapters named, the decoding options, an expert budget)
-and the chat session it makes; shared by the one-shot mode and the Textual app, which also rebuilds the decoder
-when the mode or tau changes live."""
+and the chat session it makes; shared by the one-shot answer and the Textual app, which also rebuilds the decoder
+when the method or tau changes live."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from m2r2_mlx.decoding.chat import ChatSession
-from m2r2_mlx.decoding.decoders import make_decoder
+from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.options import DecodingOptions
 from m2r2_mlx.decoding.protocols import Decoder
 from m2r2_mlx.moe.serve import ExpertBudget, serve_with_budget
@@ -22,15 +22,15 @@ class ChatSetup:
     experts: ExpertBudget | None = None
 
     @property
-    def mode(self) -> str:
-        return self.options.decode.mode
+    def method(self) -> str:
+        return self.options.decode.method
 
-    def with_mode(self, mode: str, tau: float | None = None) -> "ChatSetup":
-        return replace(self, options=self.options.with_mode(mode, tau))
+    def with_method(self, method: str, tau: float | None = None) -> "ChatSetup":
+        return replace(self, options=self.options.with_method(method, tau))
 
 
 def decoder_for(setup: ChatSetup, lm) -> Decoder:
-    """The decoder the setup names (also when the app switches mode or tau)."""
+    """The decoder the setup names (also when the app switches method or tau)."""
     return make_decoder(lm, setup.options.decode, setup.adapters)
 
 

@@ -18,6 +18,8 @@ import math
 import mlx.core as mx
 from mlx import nn
 
+from .. import host
+
 NUM_EXIT_STATS = 3
 
 
@@ -107,4 +109,4 @@ class ARLARule:
     def __call__(self, logits: mx.array, h_exit: mx.array, gate_index: int, trail: list) -> float:
         stats = exit_stats(logits) if self.arla.exit_stats else None
         trail.append(self.arla.latent(h_exit.reshape(-1), gate_index, stats))
-        return mx.sigmoid(self.arla(mx.stack(trail))).item()
+        return host.read(mx.sigmoid(self.arla(mx.stack(trail))))

@@ -22,19 +22,26 @@ class AdapterMetrics:
     """What the adapters' trainer measured on held-out tokens. Decoding reads it: the speculative engine's
     starting acceptance rates, and the exit rule early exit uses."""
 
-    # gates, and per gate the share of held-out tokens whose exit there agrees with the full model: "m2r2" (the
-    # fast stream's exit) and "naive" (the slow state's own); tokens scored
+    # gates, and per gate the share of held-out tokens whose exit there agrees with the full model: "fast" (the
+    # fast stream's exit) and "layerskip" (the slow state's own); tokens scored
     heldout_agreement: dict = field(default_factory=dict)
     # gates, and "auc": per exit rule ("confidence", "arla", ...) the ROC AUC per gate of telling right from wrong
     # exits
     exit_auc: dict = field(default_factory=dict)
 
     KEYS = ("heldout_agreement", "exit_auc")
+    LEGACY = {"m2r2": "fast", "naive": "layerskip"}  # the names folders written before 0.3 use
+
+    def __post_init__(self):
+        rename = lambda d: {self.LEGACY.get(k, k): v for k, v in d.items()}  # noqa: E731
+        self.heldout_agreement = rename(self.heldout_agreement)
+        if isinstance(self.heldout_agreement.get("scored"), dict):
+            self.heldout_agreement["scored"] = rename(self.heldout_agreement["scored"])
 
     def agreement(self, exit_layer: int, adapters: bool = True) -> float | None:
-        """The held-out agreement of the exit at ``exit_layer``, fast stream's (``adapters``) or naive; None if
-        not measured."""
-        rates = self.heldout_agreement.get("m2r2" if adapters else "naive") or []
+        """The held-out agreement of the exit at ``exit_layer``, the fast stream's (``adapters``) or layerskip's;
+        None if not measured."""
+        rates = self.heldout_agreement.get("fast" if adapters else "layerskip") or []
         gates = self.heldout_agreement.get("gates", [])
         return rates[gates.index(exit_layer)] if exit_layer in gates and len(rates) == len(gates) else None
 

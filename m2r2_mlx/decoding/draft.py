@@ -17,7 +17,17 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from .grammar import Constraint
 
+from .. import host
 from .sampling import Sampling, filtered_probs, processed_logprobs, sample_from, sampling_probs
+
+
+@dataclass(frozen=True)
+class LookupMatch:
+    """How prompt lookup found its copy: the length of the n-gram it matched, and whether the copy continues one
+    (the last token is what lookup proposed a step before): a planner's rates for lookup read these."""
+
+    ngram: int
+    continuing: bool
 
 
 @dataclass
@@ -25,6 +35,7 @@ class Draft:
     tokens: list[int]
     sources: list[str]  # the drafter of each position ("" for the root)
     laws: list[mx.array | None]  # the law each position was drawn from (None: deterministic)
+    lookup: LookupMatch | None = None  # where prompt lookup proposed
 
     @classmethod
     def root(cls, token: int) -> Draft:
@@ -33,13 +44,36 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, source: str, law: mx.array | None = None) -> None:
-        self.tokens.append(int(token))
+    def add(self, token: int | mx.array, source: str, law: mx.array | None = None) -> None:
+        """``token``: an int, or a 0-d array still on the device (a planned draft, read by the verification)."""
+        self.tokens.append(token if isinstance(token, mx.array) else int(token))
         self.sources.append(source)
         self.laws.append(law)
 
+    def ids(self, start: int = 0, stop: int | None = None) -> mx.array:
+        """The tokens of positions start..stop as one int32 array, without reading those still on the device."""
+        tokens = self.tokens[start:stop]
+        if not any(isinstance(t, mx.array) for t in tokens):
+            return mx.array(tokens, dtype=mx.int32)
+        return mx.stack([t.astype(mx.int32) if isinstance(t, mx.array) else mx.array(t, mx.int32) for t in tokens])
+
+    def read_tokens(self, with_result: mx.array | None = None) -> list:
+        """Replace the tokens still on the device by their values, read in one go together with ``with_result``
+        (returned, read); the draft's tokens are all ints afterwards."""
+        device = [i for i, t in enumerate(self.tokens) if isinstance(t, mx.array)]
+        parts = [] if with_result is None else [with_result.reshape(-1).astype(mx.int32)]
+        if device:
+            parts.append(mx.stack([self.tokens[i].astype(mx.int32) for i in device]))
+        if not parts:
+            return []
+        values = host.read(mx.concatenate(parts))
+        result, drafted = values[: len(values) - len(device)], values[len(values) - len(device) :]
+        for i, t in zip(device, drafted):
+            self.tokens[i] = t
+        return result
+
     def keep(self, n: int) -> Draft:  # the first n positions, the root included
-        return Draft(self.tokens[:n], self.sources[:n], self.laws[:n])
+        return Draft(self.tokens[:n], self.sources[:n], self.laws[:n], self.lookup)
 
     def describe(self) -> str:
         """ "plain", or the drafts by drafter: "lookup 4 + fast 1"."""
@@ -74,17 +108,27 @@ def verify(
     """
     history, rows = list(history), [] if logprobs else None
     per_position = s.reads_history or constraint is not None
-    # sampled, each position's law is built only once verification reaches it: top-p sorts the vocabulary
-    targets = mx.argmax(logits, axis=-1).tolist() if s.greedy and not per_position else None
+    batch = None  # every position's log-probabilities at once, where no position's depends on the ones before
+    if logprobs and not per_position:
+        x = logits.astype(mx.float32)
+        batch = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    # sampled, each position's law is built only once verification reaches it: top-p sorts the vocabulary. Greedy,
+    # the targets are read with the drafts still on the device: one read for the whole step.
+    if s.greedy and not per_position:
+        targets = draft.read_tokens(with_result=mx.argmax(logits, axis=-1))
+    else:
+        targets, _ = None, draft.read_tokens()
     for i, nxt in enumerate([*draft.tokens[1:], None]):  # the last position has no draft to test: it returns
         row = None
-        if per_position or logprobs:
+        if per_position:
             x = logits[i] if constraint is None else constraint.mask(logits[i])
             row = processed_logprobs(x, s, history + draft.tokens[: i + 1])
-            if rows is not None:
-                rows.append(row)
+        elif batch is not None:
+            row = batch[i]
+        if rows is not None:
+            rows.append(row)
         if s.greedy:
-            target = targets[i] if targets is not None else int(mx.argmax(row).item())
+            target = targets[i] if targets is not None else int(host.read(mx.argmax(row)))
             if target != nxt:
                 return Verified(i, target, rows)
         else:
@@ -93,7 +137,8 @@ def verify(
                 return Verified(i, sample_from(p), rows)
             q = draft.laws[i + 1]
             ratio = p[nxt] if q is None else p[nxt] / mx.maximum(q[nxt], 1e-20)
-            if mx.random.uniform().item() >= min(1.0, ratio.item()):
+            u, r = host.read(mx.stack([mx.random.uniform(), ratio.astype(mx.float32)]))
+            if u >= min(1.0, r):
                 residual = mx.maximum(p - (mx.zeros_like(p).at[nxt].add(1.0) if q is None else q), 0.0)
                 total = residual.sum()
                 return Verified(i, sample_from(mx.where(total > 0, residual / total, p)), rows)

@@ -10,8 +10,9 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import host
 from ..models.base_model import SubsetHead
-from .draft import Draft
+from .draft import Draft, LookupMatch
 from .protocols import DraftRequest
 from .sampling import sampling_probs
 
@@ -43,25 +44,34 @@ class LayerDrafter:
 
     def propose(self, draft: Draft, request: DraftRequest) -> int:
         """Draft up to ``request.room(draft)`` tokens at the draft's end (its earlier positions first run through
-        the drafter's layers in one pass) while ``go_on(draft)`` (default: confidence >= threshold). Returns the
-        draft steps taken."""
+        the drafter's layers in one pass) while ``go_on(draft)``, a planner's rule that reads no token: the drafts
+        then stay on the device until the verification reads them with its own result. Without one, each draft's
+        token and confidence are read, and drafting stops at the end of sequence or below the threshold. Returns
+        the draft steps taken."""
         cache, s, go_on = request.cache, request.sampling, request.go_on
         cur, steps, written = draft.tokens[-1], 0, len(draft) - 1
         h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
         if written:  # the context feature reads nothing for the draft's later positions
-            run = mx.array(draft.tokens[:-1])
+            run = draft.ids(stop=-1)
             prev = None if h_prev is None else mx.concatenate([h_prev[None], mx.zeros((written - 1, h_prev.size))])
             h = self.m2r2.draft_state(run, self.gate_index, cache.layers, self.adapters, prev)
             h_prev = h if self.keeps_states else None
         for steps in range(1, request.room(draft) + 1):  # each draft step writes one provisional position
-            h = self.m2r2.draft_state(mx.array(cur), self.gate_index, cache.layers, self.adapters, h_prev)
-            logits = self.m2r2.parts.head(h) if self.head is None else self.head(h)
+            cur = cur if isinstance(cur, mx.array) else mx.array(cur)
+            h = self.m2r2.draft_state(cur, self.gate_index, cache.layers, self.adapters, h_prev)
+            logits = self.m2r2.parts.head(h) if self.head is None else request.tracer.call("draft-head", self.head, h)
             h_prev = h if self.keeps_states else None
             probs = mx.softmax(logits.astype(mx.float32)) if s.greedy else sampling_probs(logits, s)
             i = mx.argmax(probs) if s.greedy else mx.random.categorical(mx.log(probs))
-            cur, conf = int((i if self.head is None else self.head.ids[i]).item()), probs[i].item()
-            draft.add(cur, self.kind, None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0))
-            if cur in request.eos_ids or (conf < self.threshold if go_on is None else not go_on(draft)):
+            cur = (i if self.head is None else self.head.ids[i]).astype(mx.int32)
+            law = None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0)
+            if go_on is None:  # the threshold decides: this draft's token and confidence, read at once
+                token, conf = host.read(mx.stack([cur.astype(mx.float32), probs[i]]))
+                cur = int(token)
+            draft.add(cur, self.kind, law)
+            if go_on is not None and not go_on(draft):
+                break
+            if go_on is None and (cur in request.eos_ids or conf < self.threshold):
                 break  # an unsure draft is still verified (Kangaroo's rule), but none is drafted after it
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
             layer.trim(written + steps)
@@ -77,9 +87,9 @@ class PromptLookupDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, prior: float = 0.5):
         self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
 
-    def continuation(self, context: Sequence[int], limit: int) -> list[int]:
+    def continuation(self, context: Sequence[int], limit: int) -> tuple[list[int], int]:
         """Up to ``limit`` tokens that followed the latest earlier occurrence of the context's last n-gram, the
-        longest n first."""
+        longest n first, and that n (0: no match)."""
         ctx = np.asarray(context)
         for n in range(self.max_ngram, self.min_ngram - 1, -1) if limit > 0 else ():
             if len(ctx) <= n:
@@ -88,11 +98,17 @@ class PromptLookupDrafter:
             for k in range(1, n):
                 starts = starts[ctx[starts + k] == ctx[k - n]]
             if len(starts):
-                return ctx[starts[-1] + n : starts[-1] + n + limit].tolist()
-        return []
+                return ctx[starts[-1] + n : starts[-1] + n + limit].tolist(), n
+        return [], 0
 
     def propose(self, draft: Draft, request: DraftRequest) -> int:
-        for t in self.continuation(request.context_of(draft), request.room(draft)):
+        context = request.context_of(draft)
+        copy, n = self.continuation(context, request.room(draft))
+        if not copy:
+            return 0
+        before, _ = self.continuation(context[:-1], 1)
+        draft.lookup = LookupMatch(n, before == [int(context[-1])])
+        for t in copy:
             draft.add(t, self.kind)
             if t in request.eos_ids:  # a copied end-of-sequence is drafted, and nothing after it
                 break

@@ -2,10 +2,9 @@
 gate's threshold (tau at the first gate; deeper gates ask more, see ``gate_thresholds``).
 
 Per token, gate by gate: the slow stream has reached g_(j-1); the exit candidate at
-gate j is either the M2R2 fast stream over interval j (``source="m2r2"``) or the slow
-state's own exit after the slow stream reaches g_j (``source="naive"``); its score (the
-exit rule: max-softmax confidence, or ARLA's p_exit) decides. A fixed schedule
-(SkipDecode-style: exit gate by position in the answer) can replace the score.
+gate j is the M2R2 fast stream over interval j, and its score (the exit rule:
+max-softmax confidence, or ARLA's p_exit) decides. (Other candidates and rules, such as
+the slow state's own exit or a fixed schedule, are subclasses in experiments/.)
 
 Fused passes: with bottleneck adapters the fast stream of interval j runs in the same
 layer calls as the slow stream over that interval (batch rows 0 and 1, ``FusedKV``),
@@ -32,8 +31,11 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import host
+from ..tracing import NO_TRACE, Tracer
 from .config import GenerationConfig
-from .events import TokenEvent
+from .events import ExitStep, TokenEvent
+from .exit_planner import GatePlanner
 from .generate import start_decoding
 from .prompt_cache import PromptCache
 
@@ -57,46 +59,42 @@ def gate_thresholds(
 
 def confidence(logits: mx.array, h_exit: mx.array, gate_index: int, trail: list) -> float:
     """Max-softmax confidence of the exit distribution (the plain baseline exit rule)."""
-    return mx.softmax(logits.astype(mx.float32)).max().item()
+    return host.read(mx.softmax(logits.astype(mx.float32)).max())
 
 
 @dataclass(frozen=True)
 class ExitPolicy:
-    """How a token's exit is decided.
+    """How a token's exit is decided: ``tau``, the threshold at the first gate, deeper gates asking more with
+    ``scaled_tau`` (``gate_thresholds``); ``rule(logits, h_exit, gate_index, trail)``: the exit score
+    (``confidence``, or ARLA's p_exit); ``exit_head``: a SubsetHead that scores exits over a vocabulary subset
+    (None: the full head), so a check that does not exit costs a fraction of a full head's read."""
 
-    ``tau``: the threshold at the first gate checked, deeper gates asking more with ``scaled_tau``
-    (``gate_thresholds``); ``source``: the exit candidate, "m2r2" (the fast stream) or "naive" (the slow state's
-    own exit); ``rule(logits, h_exit, gate_index, trail)``: the exit score (``confidence``, or ARLA's p_exit);
-    ``gates``: the gates checked (default all); ``schedule(index)``: a fixed exit layer per answer position
-    instead of the score (SkipDecode-style); ``fused``: fast checks ride along the slow stream's layer passes
-    (bottleneck adapters); ``exit_head``: a SubsetHead that scores exits over a vocabulary subset (None: the
-    full head), so a check that does not exit costs a fraction of a full head's read."""
-
-    tau: float = 0.9
+    tau: float
     scaled_tau: bool = True
-    source: str = "m2r2"
     rule: Callable = confidence
-    gates: Sequence[int] | None = None
-    schedule: Callable[[int], int | None] | None = None
-    fused: bool = True
     exit_head: Any = None
 
 
 class EarlyExit:
     """Walks one token through the model gate by gate, with deferred KV fill of exited tokens."""
 
-    def __init__(self, m2r2, cache: PromptCache, policy: ExitPolicy):
-        self.m2r2, self.parts, self.cache = m2r2, m2r2.parts, cache
-        self.exit_head = policy.exit_head
-        self.fused = policy.fused and m2r2.can_fuse
-        self.source, self.rule, self.schedule = policy.source, policy.rule, policy.schedule
+    def __init__(
+        self,
+        m2r2,
+        cache: PromptCache,
+        policy: ExitPolicy,
+        tracer: Tracer = NO_TRACE,
+        planner: GatePlanner | None = None,
+    ):
+        self.m2r2, self.cache, self.policy, self.tracer = m2r2, cache, policy, tracer
+        self.planner = planner  # which gates pay for their check (None: every gate is checked)
+        self.verdicts: dict[int, bool] = {}  # this token's checked gates: gate -> left there
+        self.checks: list[bool] = []  # this token's plan
+        self.fused = m2r2.can_fuse  # bottleneck adapters ride along the slow pass; LoRA deltas cannot
         self.intervals = m2r2.config.intervals()
-        stops = [stop for _, stop in self.intervals]
-        allowed = set(m2r2.config.gates if policy.gates is None else policy.gates)
-        self.check = [stop in allowed for stop in stops]
         self.L = self.parts.num_layers
-        first = min((g for g, c in zip(stops, self.check) if c), default=stops[0])
-        self.taus = gate_thresholds(policy.tau, stops, first, self.L, policy.scaled_tau)  # one per gate
+        stops = [stop for _, stop in self.intervals]
+        self.taus = gate_thresholds(policy.tau, stops, stops[0], self.L, policy.scaled_tau)  # one per gate
         self.pending: list[tuple[int, mx.array]] = []  # (layer reached, slow state there), in position order
         # The previous token's deepest state, for a context feature: its final residual if it went the whole
         # way, else its exit state (its deeper layers run later, in this token's pass). First: the prompt's.
@@ -105,6 +103,10 @@ class EarlyExit:
         # memory-bound decoder that is the cost. Token-layers count the arithmetic (fills included).
         self.layer_passes = 0
         self.token_layers = 0
+
+    @property
+    def parts(self):
+        return self.m2r2.parts
 
     def _join(self, h: mx.array, i: int) -> mx.array:
         """Pending tokens whose slow stream stopped at layer i join the chunk there (in front: earlier positions)."""
@@ -142,38 +144,57 @@ class EarlyExit:
         """After a forward that stopped at ``layer``: every token in the chunk is pending from there."""
         self.pending += [(layer, h[:, i : i + 1]) for i in range(h.shape[1])]  # after those that have not joined yet
 
+    def checked(self, j: int) -> bool:
+        """Whether gate ``j`` is checked for this token (the planner's plan, made when the token started)."""
+        return self.checks[j] if self.checks else True
+
+    def candidate(self, h: mx.array, j: int) -> tuple[mx.array, mx.array, int]:
+        """Gate ``j``'s exit candidate, the slow stream having reached the interval's start: (the slow chunk, the
+        candidate's state, the layer the slow stream reached). Fused, the slow stream advances through the
+        interval in the same layer calls; unfused it stays at the interval's start."""
+        start, stop = self.intervals[j]
+        if self.fused:
+            h, h_exit = self._fused(h, j)
+            return h, h_exit, stop
+        # tokens still pending below a layer are missing from its cache: shift the fast stream's position
+        shift = {i: sum(c <= i for c, _ in self.pending) for i in range(start, stop)}
+        h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift, self.h_prev)
+        self.layer_passes += stop - start
+        self.token_layers += stop - start
+        return h, h_exit, start
+
+    def exits(self, j: int, logits: mx.array, h_exit: mx.array, trail: list, index: int) -> bool:
+        """Whether the token leaves at gate ``j`` (``trail``: what the rule keeps across a token's gates)."""
+        left = self.tracer.call("exit-rule", self.policy.rule, logits, h_exit, j, trail) >= self.taus[j]
+        self.verdicts[j] = left
+        return left
+
     def step(self, token: int, index: int, allowed: np.ndarray | None = None) -> tuple[mx.array, int]:
-        """Logits for the token after ``token`` and the layer count that produced them. ``allowed``: the tokens a
-        grammar allows next; a gate whose trimmed exit head scores none of them does not exit there."""
+        """Logits for the token after ``token`` (the ``index``-th of the answer) and the layer count that produced
+        them. ``allowed``: the tokens a grammar allows next; a gate whose trimmed exit head scores none of them
+        does not exit there."""
         self.cache.record(token)
+        self.verdicts = {}
+        self.checks = self.planner.checked() if self.planner is not None else []
         h = self.parts.embed(mx.array([[token]]))
-        forced = self.schedule(index) if self.schedule else None
         trail: list = []  # what the exit rule keeps across this token's gates (ARLA's latents)
-        pos = 0
+        pos, head = 0, self.policy.exit_head
         for j, (start, stop) in enumerate(self.intervals):
-            h = self._slow(h, pos, start)
-            pos = start
-            if (forced != stop) if self.schedule else not self.check[j]:
+            if not self.checked(j):
                 continue
-            if self.source == "m2r2" and self.fused:
-                h, h_exit = self._fused(h, j)  # the slow stream advances too: no layer is read twice
-                pos = stop
-            elif self.source == "m2r2":
-                # tokens still pending below a layer are missing from its cache: shift the fast stream's position
-                shift = {i: sum(c <= i for c, _ in self.pending) for i in range(start, stop)}
-                h_exit = self.m2r2.fast_exit_state(h[:, -1:], j, self.cache.layers, shift, self.h_prev)
-                self.layer_passes += stop - start
-                self.token_layers += stop - start
-            else:
-                h = self._slow(h, pos, stop)
-                pos, h_exit = stop, h[:, -1:]
-            subset = self.exit_head is not None
-            logits = (self.exit_head if subset else self.parts.head)(h_exit)[0, -1]
-            if self.schedule or self.rule(logits, h_exit, j, trail) >= self.taus[j]:
-                full = self.exit_head.full(logits) if subset else logits
-                if subset and allowed is not None and not mx.any(mx.array(allowed) & (full > -mx.inf)).item():
-                    continue
-                self._settle(h, pos)
+            h = self._slow(h, pos, start)
+            h, h_exit, pos = self.candidate(h, j)
+            exit_logits = self.tracer.call("exit-head", head, h_exit) if head is not None else self.parts.head(h_exit)
+            logits = exit_logits[0, -1]
+            if self.exits(j, logits, h_exit, trail, index):
+                full = head.full(logits) if head is not None else logits
+                if (
+                    head is not None
+                    and allowed is not None
+                    and not host.read(mx.any(mx.array(allowed) & (full > -mx.inf)))
+                ):
+                    continue  # the trimmed head scores none of the tokens the grammar allows
+                self._settle(h, pos)  # unfused, the token waits at the interval's start
                 self.h_prev = h_exit
                 return full, stop
         h = self._slow(h, pos, self.L)
@@ -191,65 +212,59 @@ class EarlyExit:
         mx.eval([c.state for c in self.cache.layers])
 
 
-def early_exit_generate(
-    m2r2,
-    tokenizer,
-    prompt: Sequence[int],
-    generation: GenerationConfig | None = None,
-    *,
-    policy: ExitPolicy | None = None,
-    cache: PromptCache | None = None,
-    context_length: int | None = None,
-) -> Iterator[TokenEvent]:
-    """Decode with dynamic early exit under ``policy``; each event's ``exit_layer`` is the gate its token left at,
-    and its ``layer_passes`` and ``token_layers`` the compute spent since the previous event (the answer's last
-    event includes filling the keys and values its exited tokens still lacked)."""
-    generation, policy = generation or GenerationConfig(), policy or ExitPolicy()
-    cache, logits, events, sample = start_decoding(
-        m2r2.base, tokenizer, prompt, cache, generation, context_length, keep_states=m2r2.config.context_feature
-    )
-    walker = EarlyExit(m2r2, cache, policy)
-    exit_layer, passes, token_layers = walker.L, 0, 0
-    try:
-        while True:
-            y = int(sample(logits).item())  # the exit layer's logits, under the grammar where there is one
-            ev = events.event(
-                y, exit_layer=exit_layer, logprobs=sample.logprobs if events.logprobs is not None else None
-            )
-            if ev.finish_reason:
-                walker.flush()  # the cache becomes the full model's before the answer ends
-            ev.layer_passes, ev.token_layers = walker.layer_passes - passes, walker.token_layers - token_layers
-            passes, token_layers = walker.layer_passes, walker.token_layers
-            yield ev
-            if ev.finish_reason:
-                return
-            sample.feed(mx.array([y]))
-            allowed = None if sample.constraint is None else sample.constraint.at(sample.sequence).allowed()
-            logits, exit_layer = walker.step(y, events.n, allowed)
-    finally:  # also on cancel: leave the cache as the full model's
-        walker.flush()
-
-
 class EarlyExitDecoder:
-    """The ``early-exit`` mode over loaded adapters (a Decoder)."""
+    """The ``early-exit`` method over loaded adapters (a Decoder): dynamic early exit under ``policy``. One decoder
+    serves a whole conversation, and its ``planner`` (which gates pay for their checks: None checks every gate)
+    learns from each token's time on the tracer's clock. ``walker``: the EarlyExit (sub)class that walks each
+    token (studies pass their own: experiments/exit_variants.py)."""
 
     name = "early-exit"
     needs_adapters = True
     note = ""
 
-    def __init__(self, m2r2, tokenizer, policy: ExitPolicy, context_length: int | None = None):
+    def __init__(
+        self,
+        m2r2,
+        tokenizer,
+        policy: ExitPolicy,
+        context_length: int | None = None,
+        tracer: Tracer = NO_TRACE,
+        walker: type[EarlyExit] = EarlyExit,
+        planner: GatePlanner | None = None,
+    ):
         self.m2r2, self.tokenizer, self.policy, self.context_length = m2r2, tokenizer, policy, context_length
+        self.tracer, self.walker, self.planner = tracer, walker, planner
         self.exit_layers = sorted({*m2r2.config.gates, m2r2.parts.num_layers})
 
     def __call__(
         self, prompt: Sequence[int], cache: PromptCache | None = None, generation: GenerationConfig | None = None
     ) -> Iterator[TokenEvent]:
-        return early_exit_generate(
-            self.m2r2,
-            self.tokenizer,
-            prompt,
-            generation,
-            policy=self.policy,
-            cache=cache,
-            context_length=self.context_length,
+        """Each event's ``exit`` record holds the gate its token left at and the compute spent since the previous
+        event (the answer's last event includes filling the keys and values its exited tokens still lacked)."""
+        generation, m2r2, trace, planner = generation or GenerationConfig(), self.m2r2, self.tracer, self.planner
+        cache, logits, events, sample = start_decoding(
+            m2r2.base, self.tokenizer, prompt, cache, generation, self.context_length, m2r2.config.context_feature
         )
+        walk = self.walker(m2r2, cache, self.policy, trace, planner)
+        exit_layer, passes, token_layers, tic = walk.L, 0, 0, None
+        try:
+            while True:
+                y = int(host.read(trace.call("sample", sample, logits)))  # the exit layer's, under the grammar
+                if planner is not None and tic is not None:  # the token's work, from its step to its read
+                    work = (walk.layer_passes - passes, walk.token_layers - token_layers)
+                    planner.observe(walk.verdicts, work[0], work[1] - work[0], sum(walk.checks), trace.now() - tic)
+                if events.finishes(y):
+                    walk.flush()  # the cache becomes the full model's before the answer ends
+                record = ExitStep(exit_layer, walk.layer_passes - passes, walk.token_layers - token_layers)
+                passes, token_layers = walk.layer_passes, walk.token_layers
+                ev = events.event(y, row=sample.logprobs if events.wants_logprobs else None, exit=record)
+                trace.on_emit(ev)
+                yield ev
+                if ev.finish_reason:
+                    return
+                sample.feed(mx.array([y]))
+                allowed = None if sample.constraint is None else sample.constraint.at(sample.sequence).allowed()
+                tic = trace.now()
+                logits, exit_layer = walk.step(y, events.n, allowed)
+        finally:  # also on cancel: leave the cache as the full model's
+            walk.flush()

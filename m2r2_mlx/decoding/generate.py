@@ -12,6 +12,8 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from .. import host
+from ..tracing import NO_TRACE, Tracer
 from .compiled import CompiledSteps
 from .config import GenerationConfig
 from .events import EventStream, TokenEvent, check_context
@@ -41,7 +43,8 @@ def start_decoding(
     constraint = None
     if generation.grammar is not None:
         constraint = Constraint(generation.grammar, tokenizer, logits.shape[-1], start=len(prompt))
-    events = EventStream(tokenizer, len(model.layers), len(prompt), len(feed), max_tokens, tic, generation.logprobs)
+    layers = len(model.layers)
+    events = EventStream(tokenizer, layers, len(prompt), len(feed), max_tokens, tic, generation.logprobs)
     return cache, logits, events, NextToken(generation.sampling, cache.tokens, constraint)
 
 
@@ -54,13 +57,15 @@ def generate(
     cache: PromptCache | None = None,
     context_length: int | None = None,
     compiled: bool = False,
+    tracer: Tracer = NO_TRACE,
 ) -> Iterator[TokenEvent]:
     """Decode greedily or by sampling, as mlx-lm does (its sampler and logits processors); one event per token.
-    ``compiled``: through CompiledSteps where the cache allows."""
+    ``compiled``: through CompiledSteps where the cache allows; ``tracer``: the hooks a tool watches through."""
     generation = generation or GenerationConfig()
     cache, logits, events, sample = start_decoding(model, tokenizer, prompt, cache, generation, context_length)
-    y = sample(logits)
-    logprobs = sample.logprobs if events.logprobs is not None else None
+    rows = events.wants_logprobs
+    y = tracer.call("sample", sample, logits)
+    logprobs = sample.logprobs if rows else None
     mx.async_eval(y, logprobs)
     steps = CompiledSteps.of(model) if compiled and CompiledSteps.supports(cache) else None
     if steps is not None:
@@ -79,10 +84,11 @@ def generate(
                 if sample.constraint is not None:  # the forward runs while the grammar reads y
                     mx.async_eval(logits)
                 sample.feed(y[None])
-                next_y = sample(logits)
-                next_logprobs = sample.logprobs if logprobs is not None else None
+                next_y = tracer.call("sample", sample, logits)
+                next_logprobs = sample.logprobs if rows else None
                 mx.async_eval(next_y, next_logprobs)
-            ev = events.event(y.item(), logprobs=logprobs)
+            ev = events.event(int(host.read(y)), row=logprobs)
+            tracer.on_emit(ev)
             yield ev
             if ev.finish_reason:
                 return
@@ -101,9 +107,9 @@ class PlainDecoder:
     needs_adapters = False
     note = ""
 
-    def __init__(self, lm, compiled: bool = False):
+    def __init__(self, lm, compiled: bool = False, tracer: Tracer = NO_TRACE):
         self.model, self.tokenizer, self.context_length = lm.model, lm.tokenizer, lm.context_length
-        self.compiled = compiled
+        self.compiled, self.tracer = compiled, tracer
         self.exit_layers = [lm.num_layers]
 
     def __call__(
@@ -117,4 +123,5 @@ class PlainDecoder:
             cache=cache,
             context_length=self.context_length,
             compiled=self.compiled,
+            tracer=self.tracer,
         )

@@ -1,23 +1,25 @@
-"""Decoding options, declared once for every place that takes them: m2r2-chat's and m2r2-server's flags (with
-mlx-lm's and llama.cpp's names as aliases), the server's per-request JSON fields, and their checks; and
+"""Decoding options, declared once for every place that takes them: m2r2-chat's, m2r2-server's and m2r2-profile's
+flags (with mlx-lm's and llama.cpp's names as aliases), the server's per-request JSON fields; and
 ``DecodingOptions``, the configs they fill (a DecodeConfig, a GenerationConfig and a KVConfig).
 
-Each Option names the config field it sets (``target`` and ``field``). A new sampling option is one more row
-here and one more field in Sampling.
+An Option only names things: the config field it sets (``target`` and ``field``), its flags and request fields,
+its help. Its default and its range live in the config class (config.py, sampling.py), read from there, so a
+default is written once and checked once. A new sampling option is one more row here and one more field in
+Sampling.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
 
-from ..errors import M2R2Error
-from .config import DRAFT_DEFAULTS, DRAFT_VOCAB, DRAFTERS, PLANNERS, DecodeConfig, GenerationConfig, KVConfig
-from .decoders import MODES
+from ..errors import ConfigError, M2R2Error
+from .config import DRAFT_VOCAB, DecodeConfig, GenerationConfig, KVConfig
+from .methods import METHODS
 from .sampling import Sampling
 
-REPETITION_CONTEXT = Sampling.repetition_context_size  # mlx-lm's default too
-KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 TARGETS = {"decode": DecodeConfig, "sampling": Sampling, "generation": GenerationConfig, "kv": KVConfig}
 
 
@@ -25,12 +27,9 @@ TARGETS = {"decode": DecodeConfig, "sampling": Sampling, "generation": Generatio
 class Option:
     dest: str  # the command line's destination, also the key of an options dict
     flags: tuple[str, ...]  # the first long one names it in error lines
-    type: type
-    default: Any
-    help: str
+    type: type  # what the flag's text (or a request's JSON value) is read as
+    help: str  # "(default: ...)" is added from the config
     fields: tuple[str, ...] = ()  # the server's request fields that set it (OpenAI's names first); () = none
-    valid: Callable[[Any], bool] | None = None
-    rule: str = ""  # what ``valid`` asks, for the error line
     target: str = "decode"  # the config it sets: one of TARGETS
     field: str = ""  # its field there, when the name differs from ``dest``
 
@@ -42,236 +41,154 @@ class Option:
     def attribute(self) -> str:
         return self.field or self.dest
 
-    def check(self, value, name: str) -> None:
-        if value is not None and self.valid is not None and not self.valid(value):
-            raise M2R2Error(f"{name} {self.rule} (got {value})")
+    @property
+    def default(self) -> Any:
+        """The config field's default: the one place it is written."""
+        f = next(f for f in dataclasses.fields(TARGETS[self.target]) if f.name == self.attribute)
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+    @property
+    def help_text(self) -> str:
+        default = self.default
+        if self.type is bool or "default:" in self.help:
+            return self.help
+        shown = "off" if default is None else f"{default:g}" if isinstance(default, float) else default
+        return f"{self.help} (default: {shown})"
+
+
+def _method_defaults(attribute: str) -> str:
+    values = {m.name: getattr(m, attribute) for m in METHODS.values()}
+    return ", ".join(f"{name} {value:g}" for name, value in values.items() if value is not None)
 
 
 OPTIONS = (
     Option(
-        "mode",
-        ("--mode",),
+        "method",
+        ("--method", "--mode"),
         str,
-        "plain",
-        "; ".join(f"{m.name}: {m.help}" for m in MODES.values()) + " (default: plain)",
-        ("mode",),
-        lambda v: v in MODES,
-        f"must be one of: {', '.join(MODES)}",
+        "the decoding method: " + "; ".join(f"{m.name}: {m.pick_when}" for m in METHODS.values()),
+        ("method", "mode"),
     ),
     Option(
         "gate",
         ("--gate",),
         int,
-        None,
         "exit layer that drafts come from (default: the adapters' first gate)",
         ("gate",),
-        lambda v: v >= 1,
-        "must be a layer count of at least 1",
     ),
     Option(
         "draft",
         ("--draft", "--num-draft-tokens", "--draft-max"),
         int,
-        None,
-        f"most drafted tokens per verification step (default: {DRAFT_DEFAULTS['cost'].max_draft} under the cost "
-        f"planner, which picks how many each step; else {DRAFT_DEFAULTS['always'].max_draft})",
+        f"most drafted tokens per verification step (default: the method's: {_method_defaults('max_draft')}; "
+        "speculative picks how many each step pays for)",
         ("draft", "num_draft_tokens"),
-        lambda v: v >= 1,
-        "must be at least 1",
         field="max_draft",
     ),
     Option(
         "threshold",
         ("--threshold", "--draft-p-min"),
         float,
-        None,
-        f"stop drafting when a draft's probability falls below this (default: {DRAFT_DEFAULTS['cost'].threshold:g} "
-        f"under the cost planner, which weighs every draft itself; else {DRAFT_DEFAULTS['always'].threshold:g})",
+        f"stop a fast-stream draft when its probability falls below this (default: the method's: "
+        f"{_method_defaults('threshold')}; speculative weighs every draft itself)",
         ("threshold", "draft_p_min"),
-        lambda v: 0 <= v <= 1,
-        "must be in [0, 1]",
-    ),
-    Option(
-        "drafter",
-        ("--drafter",),
-        str,
-        "hybrid",
-        "speculative: hybrid (prompt lookup, and the M2R2 fast stream where it pays; default) or fast (the fast "
-        "stream alone)",
-        ("drafter",),
-        lambda v: v in DRAFTERS,
-        f"must be one of: {', '.join(DRAFTERS)}",
-    ),
-    Option(
-        "planner",
-        ("--planner",),
-        str,
-        None,
-        "speculative: cost (draft and verify only what the costs and acceptance rates measured while decoding "
-        "say pays; default) or always (verify every proposal)",
-        ("planner",),
-        lambda v: v in PLANNERS,
-        f"must be one of: {', '.join(PLANNERS)}",
     ),
     Option(
         "draft_vocab",
         ("--draft-vocab",),
         int,
-        None,
-        f"score drafts over the model's N most frequent tokens only (default: {DRAFT_VOCAB} where the "
-        "adapters have draft_vocab.json; 0 = the full LM head)",
+        f"score drafts over the model's N most frequent tokens only (default: {DRAFT_VOCAB} where the adapters "
+        "have draft_vocab.json; 0 = the full LM head)",
         ("draft_vocab",),
-        lambda v: v >= 0,
-        "must be 0 (the full head) or a positive count",
     ),
     Option(
         "compile",
         ("--compile",),
         bool,
-        False,
-        "plain mode: decode through mx.compile'd steps over a preallocated KV cache (1.14x on the CPU it was "
-        "measured on: docs/compile_step.md)",
+        "plain method: decode through mx.compile'd steps over a preallocated KV cache (docs/benchmarks.md)",
         ("compile",),
     ),
     Option(
         "tau",
         ("--tau",),
         float,
-        0.9,
-        "early-exit threshold at the first gate; deeper gates ask more, in proportion to the compute they "
-        "still save (default: 0.9)",
+        "early-exit threshold at the first gate: higher agrees more with plain decoding, lower skips more layers; "
+        "deeper gates ask more, in proportion to the compute they still save; above 1 never exits",
         ("tau",),
-        lambda v: 0 <= v <= 1.5,
-        "must be in [0, 1] (above 1 never exits)",
-    ),
-    Option(
-        "flat_tau",
-        ("--flat-tau",),
-        bool,
-        False,
-        "early exit: the same --tau at every gate",
-        ("flat_tau",),
-        field="scaled_tau",  # stored inverted: DecodeConfig.scaled_tau = not flat_tau
     ),
     Option(
         "max_tokens",
         ("-m", "--max-tokens"),
         int,
-        512,
-        "most tokens per answer (default: 512)",
+        "most tokens per answer",
         ("max_completion_tokens", "max_tokens"),
-        lambda v: v >= 1,
-        "must be at least 1",
         target="generation",
     ),
     Option(
         "temp",
         ("--temp", "--temperature"),
         float,
-        0.0,
-        "sampling temperature; 0 = greedy (default: 0)",
+        "sampling temperature; 0 = greedy",
         ("temperature",),
-        lambda v: v >= 0,
-        "must be 0 (greedy) or positive",
         target="sampling",
         field="temperature",
     ),
-    Option(
-        "top_p",
-        ("--top-p",),
-        float,
-        1.0,
-        "nucleus sampling mass (default: 1.0 = off)",
-        ("top_p",),
-        lambda v: 0 < v <= 1,
-        "must be in (0, 1]",
-        target="sampling",
-    ),
+    Option("top_p", ("--top-p",), float, "nucleus sampling mass (1 = off)", ("top_p",), target="sampling"),
     # mlx-lm's sampler and logits processors (decoding/sampling.py); request fields as vLLM, mlx_lm.server and
     # llama.cpp's server name them (OpenAI's API has none)
     Option(
         "top_k",
         ("--top-k",),
         int,
-        0,
-        "sample from the k most likely tokens only (default: 0 = off)",
+        "sample from the k most likely tokens only (0 = off)",
         ("top_k",),
-        lambda v: v >= 0,
-        "must be 0 (off) or a positive count",
         target="sampling",
     ),
     Option(
         "min_p",
         ("--min-p",),
         float,
-        0.0,
-        "drop tokens less likely than this share of the most likely one's probability (default: 0 = off)",
+        "drop tokens less likely than this share of the most likely one's probability (0 = off)",
         ("min_p",),
-        lambda v: 0 <= v <= 1,
-        "must be in [0, 1]",
         target="sampling",
     ),
     Option(
         "repetition_penalty",
         ("--repetition-penalty", "--repeat-penalty"),
         float,
-        1.0,
-        "divide the logits of tokens seen in the last --repetition-context-size tokens by this (default: 1 = "
-        "off; 1.1 keeps small models out of loops)",
+        "divide the logits of tokens seen in the last --repetition-context-size tokens by this (1 = off; 1.1 keeps "
+        "small models out of loops)",
         ("repetition_penalty", "repeat_penalty"),
-        lambda v: 0 < v < float("inf"),
-        "must be positive (1 = off)",
         target="sampling",
     ),
     Option(
         "repetition_context_size",
         ("--repetition-context-size", "--repeat-last-n"),
         int,
-        REPETITION_CONTEXT,
-        f"tokens the repetition penalty looks back over (default: {REPETITION_CONTEXT})",
+        "tokens the repetition penalty looks back over",
         ("repetition_context_size", "repeat_last_n"),
-        lambda v: v >= 1,
-        "must be at least 1",
         target="sampling",
     ),
-    Option(
-        "seed",
-        ("--seed",),
-        int,
-        None,
-        "random seed for sampling",
-        ("seed",),
-        lambda v: 0 <= v < 2**64,  # what mx.random.seed takes
-        "must be in 0..2**64-1",
-        target="generation",
-    ),
+    Option("seed", ("--seed",), int, "random seed for sampling", ("seed",), target="generation"),
     # mlx-lm's KV-cache options; a server's are its flags (one cache serves every request)
     Option(
         "max_kv_size",
         ("--max-kv-size",),
         int,
-        None,
-        "keep at most this many positions in the KV cache, dropping the oldest (a rotating cache; plain mode; "
+        "keep at most this many positions in the KV cache, dropping the oldest (a rotating cache; plain method; "
         "default: the whole context)",
-        (),
-        lambda v: v >= 16,
-        "must be at least 16 positions",
         target="kv",
     ),
     Option(
         "kv_bits",
         ("--kv-bits",),
         int,
-        None,
-        "store the KV cache's keys and values quantized to this many bits (plain mode; default: unquantized)",
-        (),
-        lambda v: v in KV_BITS,
-        f"must be one of {', '.join(map(str, KV_BITS))}",
+        "store the KV cache's keys and values quantized to this many bits (plain method; default: unquantized)",
         target="kv",
     ),
 )
 BY_DEST = {o.dest: o for o in OPTIONS}
-INVERTED = {"flat_tau"}  # flags that set the negation of their config field
+BY_ATTRIBUTE = {o.attribute: o for o in OPTIONS}
 
 
 def add_options(parser, skip: tuple[str, ...] = ()) -> None:
@@ -280,45 +197,72 @@ def add_options(parser, skip: tuple[str, ...] = ()) -> None:
         if o.dest in skip:
             continue
         if o.type is bool:
-            parser.add_argument(*o.flags, dest=o.dest, action="store_true", help=o.help)
+            parser.add_argument(*o.flags, dest=o.dest, action="store_true", help=o.help_text)
         else:
-            choices = list(MODES) if o.dest == "mode" else None
-            parser.add_argument(*o.flags, dest=o.dest, type=o.type, default=o.default, help=o.help, choices=choices)
+            choices = list(METHODS) if o.dest == "method" else None
+            parser.add_argument(
+                *o.flags, dest=o.dest, type=o.type, default=o.default, help=o.help_text, choices=choices
+            )
 
 
-def check_options(values: dict, names: str = "flag") -> None:
-    """One line for the first value out of range, naming it as a flag (``names="flag"``) or a request field."""
-    for o in OPTIONS:
-        if o.dest in values:
-            o.check(values[o.dest], o.flag if names == "flag" else (o.fields or (o.dest,))[0])
+def flag_name(o: Option) -> str:
+    return o.flag
+
+
+class OptionError(M2R2Error):
+    """An option's value out of range, in one line naming the option as the caller names it (``option``)."""
+
+    def __init__(self, option: Option, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+@contextmanager
+def named(name: Callable[[Option], str] = flag_name) -> Iterator[None]:
+    """Configs built inside the block that refuse a value fail as OptionError, naming the option as ``name(option)``
+    does (a flag, or a request field) instead of as the config's field."""
+    try:
+        yield
+    except ConfigError as e:
+        o = BY_ATTRIBUTE[e.field]
+        raise OptionError(o, f"{name(o)} {e.rule} (got {e.value})") from None
 
 
 @dataclass(frozen=True)
 class DecodingOptions:
-    """Everything the options table sets: how the decoder is built, what each answer asks, the KV cache's shape."""
+    """Everything the options table sets: how the decoder is built, what each answer asks, the KV cache's shape.
+    The KV options serve plain decoding: the other methods trim and rewrite the cache in place, which a rotating
+    cache cannot do once it has wrapped, and mlx-lm has no quantized rotating cache."""
 
     decode: DecodeConfig = DecodeConfig()
-    generation: GenerationConfig = GenerationConfig(max_tokens=BY_DEST["max_tokens"].default)
+    generation: GenerationConfig = GenerationConfig()
     kv: KVConfig = KVConfig()
 
     def __post_init__(self):
-        check_kv(self.kv, self.decode.mode)
+        given = [BY_ATTRIBUTE[name].flag for name, value in dataclasses.asdict(self.kv).items() if value is not None]
+        if given and self.decode.method != "plain":
+            raise ConfigError(
+                "method",
+                f"cannot be combined with {given[0]} ({given[0]} works with --method plain only: the other methods "
+                "trim and rewrite the cache in place); leave it out or decode plainly",
+                self.decode.method,
+            )
 
     @classmethod
-    def from_values(cls, values: dict) -> "DecodingOptions":
+    def from_values(cls, values: dict, name: Callable[[Option], str] = flag_name) -> "DecodingOptions":
         """From an options dict (a parsed command line's ``vars``, or a request's fields over the server's
-        defaults), checked: one line for the first value out of range; options absent take their defaults."""
-        check_options(values)
+        defaults); options absent take their defaults. A value out of range fails in one line naming it as
+        ``name(option)`` does (a flag, or a request field)."""
         parts: dict[str, dict] = {t: {} for t in TARGETS}
         for o in OPTIONS:
-            value = values.get(o.dest, o.default)
-            parts[o.target][o.attribute] = (not value) if o.dest in INVERTED else value
-        sampling = Sampling(**parts["sampling"])
-        return cls(
-            DecodeConfig(**parts["decode"]),
-            GenerationConfig(sampling=sampling, **parts["generation"]),
-            KVConfig(**parts["kv"]),
-        )
+            parts[o.target][o.attribute] = values.get(o.dest, o.default)
+        with named(name):
+            sampling = Sampling(**parts["sampling"])
+            return cls(
+                DecodeConfig(**parts["decode"]),
+                GenerationConfig(sampling=sampling, **parts["generation"]),
+                KVConfig(**parts["kv"]),
+            )
 
     def values(self) -> dict:
         """The options dict these configs came from (``from_values``'s inverse)."""
@@ -328,28 +272,10 @@ class DecodingOptions:
             "generation": self.generation,
             "kv": self.kv,
         }
-        out = {}
-        for o in OPTIONS:
-            value = getattr(configs[o.target], o.attribute)
-            out[o.dest] = (not value) if o.dest in INVERTED else value
-        return out
+        return {o.dest: getattr(configs[o.target], o.attribute) for o in OPTIONS}
 
-    def with_mode(self, mode: str, tau: float | None = None) -> "DecodingOptions":
-        """The same options in another mode (and early exit's threshold), checked against the KV cache's shape."""
-        decode = replace(self.decode, mode=mode, tau=self.decode.tau if tau is None else tau)
+    def with_method(self, method: str, tau: float | None = None) -> "DecodingOptions":
+        """The same options with another method (and early exit's threshold), checked against the KV cache's
+        shape."""
+        decode = replace(self.decode, method=method, tau=self.decode.tau if tau is None else tau)
         return replace(self, decode=decode)
-
-
-def check_kv(kv: KVConfig, mode: str) -> None:
-    """The KV options serve plain decoding: the other modes trim and rewrite the cache in place, which a
-    rotating cache cannot do once it has wrapped, and mlx-lm has no quantized rotating cache."""
-    given = [BY_DEST[name].flag for name, value in asdict(kv).items() if value is not None]
-    if len(given) == 2:
-        raise M2R2Error(
-            "--max-kv-size and --kv-bits cannot be combined (mlx-lm has no quantized rotating cache); choose one"
-        )
-    if given and mode != "plain":
-        raise M2R2Error(
-            f"{given[0]} works with --mode plain only (mode {mode!r} trims and rewrites the cache in place); leave "
-            "it out or decode plainly"
-        )

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from ..estimates import Rates
 from .costs import StepCosts
-from .draft import Draft
+from .draft import Draft, LookupMatch
 from .protocols import Drafter, DraftRequest, Outcome, StepPlan
 
 
@@ -44,8 +44,11 @@ class Selection(NamedTuple):
 
 class CostPlanner:
     """Verifies what is expected to beat a plain step. The floor, verified whatever the rates say: the grammar's
-    forced text, and then the first ``lookup_floor`` tokens of lookup's copy (as far as prompt lookup alone
-    verifies it)."""
+    forced text, and then the first ``lookup_floor`` tokens of lookup's copy (as far as prompt lookup alone verifies
+    it) while verifying them pays in this conversation (``floor_gain``: what they gained, in plain steps, over the
+    latest copies, verified or scored in plain stretches)."""
+
+    FLOOR_WEIGHT = 0.1  # each copy's weight in floor_gain: it follows the latest ten or so
 
     def __init__(self, drafters: list[Drafter], costs: StepCosts, lookup_floor: int = 0):
         self.priors = {d.kind: d.prior for d in drafters}
@@ -54,33 +57,49 @@ class CostPlanner:
         self.costs, self.lookup_floor = costs, lookup_floor
         self.rates = Rates(strength=2.0, decay=0.995)
         self.unverified: tuple[Draft, int] | None = None  # a plain stretch's proposals, and the position it reached
+        self.floor_gain = 1.0  # the floor starts on: lookup's copies pay until they are seen not to
 
     @staticmethod
-    def keys(kind: str, position: int) -> tuple:
-        return ((kind, min(position, 4)),)  # positions 1, 2, 3, 4+
+    def keys(kind: str, position: int, match: LookupMatch | None = None) -> tuple:
+        """Finest first (Rates): lookup's copies by how they were found (the n-gram matched, whether the copy
+        continues), then by position alone; positions 1, 2, 3, 4+."""
+        coarse = (kind, min(position, 4))
+        if kind == "lookup" and match is not None:
+            return ((*coarse, match.ngram, match.continuing), coarse)
+        return (coarse,)
 
-    def rate(self, kind: str, position: int) -> float:
+    def rate(self, kind: str, position: int, match: LookupMatch | None = None) -> float:
         """The estimated acceptance rate; counts decay, so a drafter left unused drifts back to its prior and is
         tried again."""
-        return self.rates.mean(self.keys(kind, position), self.priors.get(kind, 0.5))
+        return self.rates.mean(self.keys(kind, position, match), self.priors.get(kind, 0.5))
 
     def reach(self, draft: Draft) -> list[float]:
         """pi per position (1 for the root): the probability that verification accepts it."""
         pi = [1.0]
         for i in range(1, len(draft)):
-            pi.append(pi[-1] * self.rate(draft.sources[i], i))
+            pi.append(pi[-1] * self.rate(draft.sources[i], i, draft.lookup))
         return pi
 
-    def floor(self, draft: Draft) -> int:
-        """The positions verified whatever the rates say: the grammar's forced text, then up to ``lookup_floor``
-        of lookup's copy after it (the root counts)."""
+    def floor(self, draft: Draft, copies: bool | None = None) -> int:
+        """The positions verified whatever the rates say: the grammar's forced text, then (``copies``; default:
+        while they pay) up to ``lookup_floor`` of lookup's copy after it (the root counts)."""
         n = 1
         while n < len(draft) and draft.sources[n] == "grammar":
             n += 1
-        copied = n
-        while n < len(draft) and draft.sources[n] == "lookup" and n - copied < self.lookup_floor:
+        copied, copies = n, self.floor_gain > 0 if copies is None else copies
+        while copies and n < len(draft) and draft.sources[n] == "lookup" and n - copied < self.lookup_floor:
             n += 1
         return n
+
+    def observe_floor(self, draft: Draft, accepted: int) -> None:
+        """What verifying the floor's copy of ``draft`` gained (``accepted``: drafts accepted, or that would have
+        been), in plain steps: its accepted copies less the positions' cost beyond a plain step."""
+        grammar = self.floor(draft, copies=False) - 1
+        k = self.floor(draft, copies=True) - 1 - grammar  # the copy's positions in the floor
+        if k <= 0:
+            return
+        gain = min(max(accepted - grammar, 0), k) - (self.costs.ratio(grammar + k + 1) - self.costs.ratio(grammar + 1))
+        self.floor_gain += self.FLOOR_WEIGHT * (gain - self.floor_gain)
 
     def select(self, draft: Draft) -> Selection:
         """The prefix with the most tokens per second, or the floor where that is longer."""
@@ -120,7 +139,7 @@ class CostPlanner:
         chosen = self.select(draft)
         draft = draft.keep(chosen.n)
         room = request.room(draft)
-        if self.model_kind is None or room <= 0 or draft.tokens[-1] in request.eos_ids:
+        if room <= 0 or self.model_kind is None or draft.tokens[-1] in request.eos_ids:
             return StepPlan(chosen.n)
         if not self.drafting_pays(chosen, chosen.n, room):
             return StepPlan(chosen.n)
@@ -134,12 +153,13 @@ class CostPlanner:
             self.unverified = None
             for i in range(1, min(outcome.accepted + 2, len(draft))):  # put to the test: up to the first rejected
                 self.tested(draft, i, i <= outcome.accepted)
+            self.observe_floor(draft, outcome.accepted)
         if outcome.seconds is not None:
             self.costs.observe(outcome)
             self.rates.tick()
 
     def tested(self, draft: Draft, i: int, accepted: bool) -> None:
-        self.rates.observe(self.keys(draft.sources[i], i), accepted)
+        self.rates.observe(self.keys(draft.sources[i], i, draft.lookup), accepted)
 
     def score_unverified(self, proposals: Draft, token: int) -> None:
         """A plain step's ``token`` scores the free drafters' unverified ``proposals`` as verification would (a
@@ -152,3 +172,5 @@ class CostPlanner:
             self.tested(draft, i + 1, hit)
             if hit and i + 2 < len(draft):
                 self.unverified = (draft, i + 1)
+            else:  # the chain is scored: what its floor would have gained
+                self.observe_floor(draft, i + 1 if hit else i)

@@ -8,8 +8,10 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from .. import host
 from ..errors import M2R2Error
 from ..models.base_model import BaseParts
+from ..tracing import NO_TRACE, Tracer
 
 PREFILL_CHUNK = 512
 KV_GROUP_SIZE = 64  # mlx-lm's default group for a quantized KV cache
@@ -22,8 +24,8 @@ class PromptCache:
     rest is prefilled, and a divergent tail (an edited or regenerated turn) is trimmed.
     """
 
-    def __init__(self, model, max_kv_size: int | None = None, kv_bits: int | None = None):
-        self.model = model
+    def __init__(self, model, max_kv_size: int | None = None, kv_bits: int | None = None, tracer: Tracer = NO_TRACE):
+        self.model, self.tracer = model, tracer  # every forward runs as a "forward" phase (tracing.py)
         # mlx-lm's KV options: a rotating cache of max_kv_size positions, or keys and values quantized to kv_bits
         self.max_kv_size, self.kv_bits = max_kv_size, kv_bits
         self.layers = self._new_layers()
@@ -37,8 +39,12 @@ class PromptCache:
 
     @property
     def tokens(self) -> list[int]:
-        """A copy: a caller's history must not grow with the cache's next forward."""
-        self._tokens = [t if isinstance(t, int) else int(t.item()) for t in self._tokens]
+        """A copy: a caller's history must not grow with the cache's next forward. Tokens fed still on the device
+        are read here, all in one read."""
+        lazy = [i for i, t in enumerate(self._tokens) if not isinstance(t, int)]
+        if lazy:
+            for i, t in zip(lazy, host.read(mx.stack([self._tokens[i].reshape(()) for i in lazy]))):
+                self._tokens[i] = int(t)
         return list(self._tokens)
 
     def __len__(self) -> int:
@@ -98,6 +104,9 @@ class PromptCache:
 
     def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
         """Run the model on new tokens at the end of the cache; returns logits (T, vocab)."""
+        return self.tracer.call("forward", self._forward, tokens)
+
+    def _forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
         if isinstance(tokens, mx.array):
             ids = tokens
             self._tokens.extend(tokens[i] for i in range(tokens.size))

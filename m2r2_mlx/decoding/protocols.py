@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
+from ..tracing import NO_TRACE, Tracer
+
 if TYPE_CHECKING:
     from .config import GenerationConfig
     from .draft import Draft
@@ -43,6 +45,7 @@ class DraftRequest:
     # after each draft, whether to draft another: go_on(draft) (None: the drafter's own threshold)
     go_on: Callable[[Draft], bool] | None = None
     constraint: Constraint | None = None  # the answer's grammar (structured output)
+    tracer: Tracer = NO_TRACE  # the engine's hooks (a drafter runs its draft head through them)
 
     def room(self, draft: Draft) -> int:
         """How many more tokens ``draft`` may take."""

@@ -9,7 +9,6 @@ argmax of the same processed logits as greedy plain decoding.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -17,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from ..errors import M2R2Error
+from .. import host
+from ..errors import check, is_int, is_number
 
 if TYPE_CHECKING:
     from .grammar import Constraint
@@ -30,23 +30,29 @@ class Sampling:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
-    repetition_context_size: int = 20
+    repetition_context_size: int = 20  # mlx-lm's default
 
     def __post_init__(self):
-        checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be 0 (greedy) or positive"),
-            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top-k must be 0 (off) or a positive count"),
-            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-            (
-                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "repetition penalty must be positive (1 = off)",
-            ),
-            (self.repetition_context_size >= 1, "the repetition context must hold at least 1 token"),
-        ]
-        for ok, why in checks:
-            if not ok:
-                raise M2R2Error(f"{why} (got {self})")
+        check(
+            self,
+            {
+                "temperature": (
+                    is_number(self.temperature) and self.temperature >= 0,
+                    "must be 0 (greedy) or positive",
+                ),
+                "top_p": (is_number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+                "top_k": (is_int(self.top_k) and self.top_k >= 0, "must be 0 (off) or a positive count"),
+                "min_p": (is_number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+                "repetition_penalty": (
+                    is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                    "must be positive (1 = off)",
+                ),
+                "repetition_context_size": (
+                    is_int(self.repetition_context_size) and self.repetition_context_size >= 1,
+                    "must be at least 1",
+                ),
+            },
+        )
 
     @property
     def greedy(self) -> bool:
@@ -91,7 +97,7 @@ class NextToken:
         if self.processors:
             self.history = mx.concatenate([self.history, token.astype(mx.int32)])[-self.size :]
         if self.sequence is not None:
-            self.sequence.append(int(token.item()))
+            self.sequence.append(int(host.read(token.reshape(()))))
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The token after the sequence, from its logits (V,)."""
@@ -141,4 +147,4 @@ def sampling_probs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.ar
 
 
 def sample_from(probs: mx.array) -> int:
-    return int(mx.random.categorical(mx.log(probs)).item())
+    return int(host.read(mx.random.categorical(mx.log(probs))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .events import TokenEvent
+from .events import Timing, TokenEvent
 
 
 @dataclass
@@ -15,11 +15,7 @@ class AnswerStats:
     drafted: int = 0
     exit_layers: list[int] = field(default_factory=list)
     computed_layers: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    prompt_time_s: float = 0.0
-    elapsed_s: float = 0.0
-    peak_memory_gb: float = 0.0
+    timing: Timing | None = None  # the latest event's (its peak memory is the answer's so far)
     finish_reason: str | None = None
     accept_lengths: list[int] = field(default_factory=list)  # tokens per full-model step, after the prefill's token
     drafted_by: Counter = field(default_factory=Counter)  # accepted drafts per drafter ("lookup", "fast"...)
@@ -35,27 +31,41 @@ class AnswerStats:
             if not ev.drafted or ev.finish_reason:
                 self.accept_lengths.append(self._run)
                 self._run = 0
-        self.num_layers = ev.num_layers
-        self.prompt_tokens, self.prefill_tokens, self.prompt_time_s = (
-            ev.prompt_tokens,
-            ev.prefill_tokens,
-            ev.prompt_time_s,
-        )
-        self.elapsed_s = ev.elapsed_s
-        self.plan = ev.plan or self.plan
-        self.peak_memory_gb = max(self.peak_memory_gb, ev.peak_memory_gb)
+        self.num_layers, self.timing = ev.num_layers, ev.timing
+        self.plan = (ev.spec.plan if ev.spec else "") or self.plan
         self.finish_reason = ev.finish_reason or self.finish_reason
-        self.layer_passes += ev.layer_passes
-        self.token_layers += ev.token_layers
+        if ev.exit is not None:
+            self.layer_passes += ev.exit.layer_passes
+            self.token_layers += ev.exit.token_layers
         if ev.eos:
             return
         self.tokens += 1
         self.drafted += ev.drafted
         if ev.drafted:
-            self.drafted_by[ev.source or "draft"] += 1
+            self.drafted_by[ev.spec.source] += 1
         self.exit_layers.append(ev.exit_layer)
         # a drafted token is still verified by every layer: it saves no layer compute
         self.computed_layers += ev.num_layers if ev.drafted else ev.exit_layer
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.timing.prompt_tokens if self.timing else 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.timing.prefill_tokens if self.timing else 0
+
+    @property
+    def prompt_time_s(self) -> float:
+        return self.timing.prompt_time_s if self.timing else 0.0
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.timing.elapsed_s if self.timing else 0.0
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return self.timing.peak_memory_gb if self.timing else 0.0
 
     def drafts_line(self) -> str:
         """Accepted drafts by drafter, most first: "31 lookup, 4 fast"."""

@@ -8,21 +8,23 @@ plain arithmetic instead (2^n by exponent bits, 2^f by a degree-7 polynomial; re
 error below 3e-7), with hand-written gradients, and attention is written to group
 the query heads that share a key head rather than copy the keys per head.
 
-``fast_kernels()`` swaps these in for mlx-lm's ``swiglu`` and
-``scaled_dot_product_attention`` inside a ``with`` block (every loaded mlx-lm model
-module that uses them) and puts the originals back on exit. m2r2-train uses it on
+``fast_kernels(model)`` swaps a model's llama feed-forward and attention blocks for
+ones that call these (``update_modules``, as mlx-lm's LoRA tuner swaps layers) inside a
+``with`` block, and the originals back on exit. m2r2-train uses it on
 the CPU for self-distillation and the training steps, never for decoding or
 evaluation: the chat and the benchmarks run MLX's own kernels, bit for bit.
 """
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Iterator
 
 import mlx.core as mx
-from mlx_lm.models import activations, base
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+from mlx_lm.models import llama
+from mlx_lm.models.base import scaled_dot_product_attention
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -76,9 +78,7 @@ def fast_sdpa(queries, keys, values, cache=None, scale: float = 1.0, mask=None, 
     = attend) or an additive array. Quantized caches and attention sinks go to mlx-lm's own.
     """
     if sinks is not None or hasattr(cache, "bits"):
-        return _ORIGINALS["scaled_dot_product_attention"](
-            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
-        )
+        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     rep = H // Hk
@@ -100,34 +100,63 @@ def fast_sdpa(queries, keys, values, cache=None, scale: float = 1.0, mask=None, 
     return (p @ values).reshape(B, H, L, D)
 
 
-_REPLACEMENTS = {"swiglu": fast_swiglu, "scaled_dot_product_attention": fast_sdpa}
-_ORIGINALS: dict = {}
+class FastMLP(nn.Module):
+    """mlx-lm's llama feed-forward block with ``fast_swiglu``: the same projections, a faster activation."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.inner = mlp
+
+    def __call__(self, x: mx.array) -> mx.array:
+        m = self.inner
+        return m.down_proj(fast_swiglu(m.gate_proj(x), m.up_proj(x)))
 
 
-def _originals() -> dict:
-    if not _ORIGINALS:
-        _ORIGINALS.update(swiglu=activations.swiglu, scaled_dot_product_attention=base.scaled_dot_product_attention)
-    return _ORIGINALS
+class FastAttention(nn.Module):
+    """mlx-lm's llama attention with ``fast_sdpa``: the same projections, rotary embedding and cache writes."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.inner = attention
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        a, (B, L, _) = self.inner, x.shape
+        q, k, v = (p(x).reshape(B, L, n, -1).transpose(0, 2, 1, 3) for p, n in self._heads(a))
+        offset = {} if cache is None else {"offset": cache.offset}
+        q, k = a.rope(q, **offset), a.rope(k, **offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = fast_sdpa(q, k, v, cache=cache, scale=a.scale, mask=mask)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    @staticmethod
+    def _heads(a):
+        return ((a.q_proj, a.n_heads), (a.k_proj, a.n_kv_heads), (a.v_proj, a.n_kv_heads))
+
+
+def _swaps(model) -> tuple[list, list]:
+    """(path, fast module) and (path, original) for each llama-shaped block of ``model``: other architectures keep
+    MLX's kernels."""
+    fast, originals = [], []
+    for i, layer in enumerate(model.model.layers):
+        for name, kind, wrap in (("mlp", llama.MLP, FastMLP), ("self_attn", llama.Attention, FastAttention)):
+            if type(layer.get(name)) is kind:
+                path = f"model.layers.{i}.{name}"
+                fast.append((path, wrap(layer[name])))
+                originals.append((path, layer[name]))
+    return fast, originals
 
 
 @contextmanager
-def fast_kernels(enabled: bool = True) -> Iterator[bool]:
-    """Within the block, mlx-lm models use the kernels above (CPU only; elsewhere a no-op).
-    Yields whether they are in use."""
-    if not enabled or mx.default_device().type != mx.cpu:
+def fast_kernels(model, enabled: bool = True) -> Iterator[bool]:
+    """Within the block, ``model``'s llama feed-forward and attention blocks run the kernels above (CPU only;
+    elsewhere a no-op): swapped in as modules and back on exit. Yields whether any are in use."""
+    if not enabled or mx.default_device().type != mx.cpu or not hasattr(getattr(model, "model", None), "layers"):
         yield False
         return
-    originals = _originals()
-    swapped = []
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("mlx_lm.models.") or module is None:
-            continue
-        for attr, fast in _REPLACEMENTS.items():
-            if getattr(module, attr, None) is originals[attr]:
-                setattr(module, attr, fast)
-                swapped.append((module, attr))
+    fast, originals = _swaps(model)
+    model.update_modules(tree_unflatten(fast))
     try:
-        yield True
+        yield bool(fast)
     finally:
-        for module, attr in swapped:
-            setattr(module, attr, originals[attr])
+        model.update_modules(tree_unflatten(originals))

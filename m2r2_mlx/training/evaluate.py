@@ -30,30 +30,30 @@ def agreement(m2r2, batches) -> dict:
     positions alone come too, under "scored".
     """
     gates = m2r2.config.gates
-    counts = {k: np.zeros(len(gates)) for k in ("naive", "fast", "naive_scored", "fast_scored")}
+    counts = {k: np.zeros(len(gates)) for k in ("layerskip", "fast", "layerskip_scored", "fast_scored")}
     total = scored = 0
     masked = False
     for ids, positions, *mask in batches:
         n, f = exit_matches(m2r2, ids, positions)
         n, f = np.array(n), np.array(f)
-        counts["naive"] += n.sum((1, 2))
+        counts["layerskip"] += n.sum((1, 2))
         counts["fast"] += f.sum((1, 2))
         total += n[0].size
         if mask and mask[0] is not None:
             masked, m = True, np.asarray(mask[0], dtype=bool)
-            counts["naive_scored"] += n[:, m].sum(1)
+            counts["layerskip_scored"] += n[:, m].sum(1)
             counts["fast_scored"] += f[:, m].sum(1)
             scored += int(m.sum())
     out = {
         "gates": list(gates),
-        "naive": (counts["naive"] / total).tolist(),
-        "m2r2": (counts["fast"] / total).tolist(),
+        "layerskip": (counts["layerskip"] / total).tolist(),
+        "fast": (counts["fast"] / total).tolist(),
         "tokens": total,
     }
     if masked:
         out["scored"] = {
-            "naive": (counts["naive_scored"] / max(scored, 1)).tolist(),
-            "m2r2": (counts["fast_scored"] / max(scored, 1)).tolist(),
+            "layerskip": (counts["layerskip_scored"] / max(scored, 1)).tolist(),
+            "fast": (counts["fast_scored"] / max(scored, 1)).tolist(),
             "tokens": scored,
         }
     return out

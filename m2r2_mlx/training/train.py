@@ -105,7 +105,7 @@ def train(config: TrainConfig, options: MLXTrainOptions = MLXTrainOptions()) -> 
     lm.model.freeze()
     fast = not options.exact_kernels  # self-distillation and training: data, not decoding
     if config.stage == "data":
-        with fast_kernels(fast):
+        with fast_kernels(lm.model, fast):
             rows, mask = load_rows(config, lm, out)
         scored = "" if mask is None else f" ({100 * mask.mean():.0f}% of the positions predict answers or text)"
         print(f"{out / DATA_CACHE}: {len(rows)} rows of {rows.shape[1]} tokens{scored}", file=sys.stderr)
@@ -114,7 +114,7 @@ def train(config: TrainConfig, options: MLXTrainOptions = MLXTrainOptions()) -> 
     gate_indices = train_gate_indices(m2r2.config, config.train_gates)
     if getattr(m2r2, "arla", None) is not None:
         m2r2.arla.freeze()  # adapter training leaves an inherited ARLA alone; the ARLA stage trains a new one
-    with fast_kernels(fast):
+    with fast_kernels(lm.model, fast):
         rows, mask = load_rows(config, lm, out)
     split = split_rows(config, rows, mask, out)
     trainer = Trainer(m2r2, lr=config.lr, steps=config.steps, loss=config.loss, gate_indices=gate_indices)
@@ -131,7 +131,7 @@ def train(config: TrainConfig, options: MLXTrainOptions = MLXTrainOptions()) -> 
     if config.stage in ("arla", "both"):
         exit_ids = vocab[: options.exit_vocab] if options.exit_vocab else None
         answers = config.loss_on == "answers"  # then ARLA too learns on the tokens early exit decides: answers
-        with fast_kernels(fast):  # features are training data, like the distilled answers
+        with fast_kernels(lm.model, fast):  # features are training data, like the distilled answers
             exit_auc = train_arla(
                 m2r2,
                 split.train[: options.arla_rows],
@@ -197,7 +197,7 @@ def fit(trainer: Trainer, config: TrainConfig, split: RowSplit, start: int, fast
         ids = mx.array(split.train[batch])
         scored = mx.array(np.flatnonzero(split.train_mask[batch])) if config.loss_on == "answers" else None
         if scored is None or scored.size:  # rows inside long prompts only: nothing to score (the mean would be NaN)
-            with fast_kernels(fast):
+            with fast_kernels(trainer.m2r2.base, fast):
                 loss, kls = trainer.step(ids, scored)
             tokens += ids.size
             bar.set_postfix(
