@@ -106,7 +106,7 @@ def run_profile(config: ProfileConfig) -> Breakdown:
     cache = None
     if config.experts is not None:  # after the decoder, as m2r2-chat does (tui/session.py)
         e = config.experts
-        cache = serve_with_budget(lm, e.budget, predictor=e.predictor, adapters=config.adapters)
+        cache = serve_with_budget(lm, e.budget, predictor=e.predictor, adapters=config.adapters, tracer=tracer)
     try:
         return _profile(config, lm, machine, build, cache, decoder, tracer)
     finally:
