@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.costs import StepCosts
-from m2r2_mlx.decoding.draft import Draft
+from m2r2_mlx.decoding.draft import Draft, LookupMatch
 from m2r2_mlx.decoding.drafters import PromptLookupDrafter
 from m2r2_mlx.decoding.methods import make_decoder
 from m2r2_mlx.decoding.planner import CostPlanner, VerifyAll
 from m2r2_mlx.decoding.prompt_cache import PromptCache
-from m2r2_mlx.decoding.protocols import DraftRequest, Planner, StepPlan
+from m2r2_mlx.decoding.protocols import DraftRequest, Outcome, Planner, StepPlan
 from m2r2_mlx.decoding.sampling import Sampling
 from m2r2_mlx.decoding.speculative import Speculator, SpeculatorSettings
 from m2r2_mlx.decoding.stats import AnswerStats
@@ -163,3 +163,36 @@ def test_a_chain_that_pays_as_a_whole_is_verified_whole():
     first = lookup_chain().keep(2)
     assert planner.plan(first, request()).plain  # 1.25 tokens for 1.3 plain steps: alone it does not pay
     assert planner.plan(lookup_chain(), request()).keep == 4  # 1.74 for 1.34 (4 positions)
+
+
+def test_lookup_records_how_it_found_its_copy():
+    """The n-gram it matched, and whether the copy continues (the last token is what lookup proposed a step
+    before): lookup's acceptance rates are kept apart by these, so a copy in progress is not priced like a guess."""
+    lookup = PromptLookupDrafter()
+    copying = [5, 6, 7, 8, 1, 5, 6, 7]  # 5 6 7 recurs, and 7 is what lookup proposed after the 5 6 before it
+    draft = Draft.root(copying[-1])
+    lookup.propose(draft, DraftRequest(None, copying, 3, Sampling(), set()))
+    assert draft.tokens[1:] == [8, 1, 5] and draft.lookup == LookupMatch(3, True)
+    guessing = [5, 6, 7, 8, 2, 9, 6]  # only the last token recurs, and nothing proposed 6 after 2 9
+    draft = Draft.root(guessing[-1])
+    lookup.propose(draft, DraftRequest(None, guessing, 3, Sampling(), set()))
+    assert draft.tokens[1:] == [7, 8, 2] and draft.lookup == LookupMatch(1, False)
+    assert CostPlanner.keys("lookup", 2, draft.lookup) == (("lookup", 2, 1, False), ("lookup", 2))
+
+
+def test_the_floor_holds_only_while_lookups_copies_pay():
+    """Where the costs say no position pays, the floor verifies lookup's first copies, until verifying them is
+    seen not to gain; copies that would have been accepted, scored in plain stretches, turn it back on."""
+    dear = cost_planner(0.050, 0.400, 0.3)
+    dear.lookup_floor = 3
+    assert dear.plan(lookup_chain(), request()).keep == 4
+    for _ in range(30):  # verified floors that gained nothing
+        dear.observe(Outcome(lookup_chain(), 0, 9, 0.200))  # at the 4 plain steps 4 positions cost here
+    assert dear.floor_gain < 0 and dear.plan(lookup_chain(), request()).plain
+    cheap = cost_planner(0.050, 0.060, 0.3)
+    cheap.lookup_floor, cheap.floor_gain = 3, -1.0
+    for _ in range(30):  # plain stretches through copies that would all have been accepted
+        chain = lookup_chain()
+        for token in (2, 3, 4):
+            cheap.observe(Outcome(chain, 0, token, 0.050, plain=True))
+    assert cheap.floor_gain > 0 and cheap.floor(lookup_chain()) == 4

@@ -173,9 +173,14 @@ class EarlyExit:
         """Logits for the token after ``token`` (the ``index``-th of the answer) and the layer count that produced
         them. ``allowed``: the tokens a grammar allows next; a gate whose trimmed exit head scores none of them
         does not exit there."""
-        self.cache.record(token)
         self.verdicts = {}
         self.checks = self.planner.checked() if self.planner is not None else []
+        if self.checks and not any(self.checks) and not self.pending:  # no gate pays: plain decoding's forward
+            logits = self.cache.forward(mx.array([token]))[-1]
+            self.layer_passes, self.token_layers = self.layer_passes + self.L, self.token_layers + self.L
+            self.h_prev = None if self.cache.states is None else self.cache.states[-1:][None]
+            return logits, self.L
+        self.cache.record(token)
         h = self.parts.embed(mx.array([[token]]))
         trail: list = []  # what the exit rule keeps across this token's gates (ARLA's latents)
         pos, head = 0, self.policy.exit_head
