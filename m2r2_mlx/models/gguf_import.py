@@ -286,9 +286,17 @@ def _recorded_source(out_dir: Path) -> dict | None:
 
 def _import(gguf_path: Path, out_dir: Path, fingerprint: dict | None, keep_quantized: bool) -> None:
     reader = open_gguf(gguf_path)
-    config = gguf_config(reader)
-    tokenizer = build_tokenizer(reader)
-    weights = gguf_weights(reader, config, keep_quantized)
+    try:
+        config = gguf_config(reader)
+        tokenizer = build_tokenizer(reader)
+        weights = gguf_weights(reader, config, keep_quantized)
+    except M2R2Error:
+        raise
+    except Exception as e:  # damaged metadata: text that is not UTF-8, a value of the wrong type, a zero size
+        raise M2R2Error(
+            f"GGUF file {gguf_path} is truncated or corrupt ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
+            "re-download it or reinstall the package that ships it"
+        ) from None
 
     with atomic_folder(out_dir) as tmp:
         # written with safetensors itself, not mlx: the PyTorch trainer imports GGUFs where mlx is not installed
