@@ -36,6 +36,7 @@ from m2r2_mlx.moe.serve import exported_store
 import numpy as np
 from tqdm.auto import tqdm
 
+from .cli import method_list
 from .moe_bench_build import COMMAND, DEFAULT_MODEL, BenchModelBuild, build_model, is_built
 from .moe_bench_report import write_report
 from .moe_rows import BOUNDS, ORACLE_LOOKAHEAD, ROWS, BenchRun, measure
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
+        type=method_list(METHODS),
         help=f"comma-separated, of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}; resident always "
         "runs: it is the token reference)",
     )

@@ -17,6 +17,7 @@ JSONL per method, a markdown table and a PNG into --out.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from m2r2_mlx.models.registry import load_model
 
 from tqdm.auto import tqdm
 
+from .cli import method_list
 from .methods import BENCH_METHODS, LOSSLESS, MethodSettings, make_method, make_methods, method_names, run_turns
 from .questions import CATEGORIES, ORDERS, SPECBENCH, file_categories, ordered, select_questions
 from .report import answers_table, plot, summarise, table, write_answers
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default="plain,mlx-lm,speculative,fast,lookup",
+        type=method_list(BENCH_METHODS),
         help=f"comma-separated, from: {', '.join(BENCH_METHODS)} (mlx-lm-spec is added by --draft-model)",
     )
     p.add_argument(
@@ -222,19 +225,32 @@ def _main() -> int:
     return 0
 
 
+# the benchmarks m2r2-bench runs instead of Spec-Bench, each with its own options: the flag, and its module
+BENCHMARKS = {
+    "--moe": "moe_bench",  # the MoE expert-cache benchmark
+    "--tools": "tools_eval",  # tool calls with a known right call
+    "--structured": "structured",  # JSON extraction under schemas
+}
+
+
+def _benchmark(argv: list[str]):
+    """The benchmark module a flag picks (None: Spec-Bench, this module) and the arguments it reads."""
+    for flag, name in BENCHMARKS.items():
+        if flag in argv:
+            return importlib.import_module(f"m2r2_bench.{name}"), [a for a in argv if a != flag]
+    return None, argv
+
+
+def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser that reads ``argv`` (Spec-Bench's, or the benchmark a flag picks) and the arguments it reads."""
+    module, argv = _benchmark(argv)
+    return (module.build_parser() if module else build_parser()), argv
+
+
 def main() -> None:
-    if "--moe" in sys.argv[1:]:  # the MoE expert-cache benchmark: its own options (bench/moe_bench.py)
-        from m2r2_bench import moe_bench
-
-        return moe_bench.main([a for a in sys.argv[1:] if a != "--moe"])
-    if "--tools" in sys.argv[1:]:  # tool calls with a known right call (bench/tools_eval.py)
-        from m2r2_bench import tools_eval
-
-        sys.exit(tools_eval.main([a for a in sys.argv[1:] if a != "--tools"]))
-    if "--structured" in sys.argv[1:]:  # JSON extraction under schemas (bench/structured.py)
-        from m2r2_bench import structured
-
-        sys.exit(structured.main([a for a in sys.argv[1:] if a != "--structured"]))
+    module, argv = _benchmark(sys.argv[1:])
+    if module is not None:
+        sys.exit(module.main(argv))
     sys.exit(run_cli("m2r2-bench", _main))
 
 

@@ -37,6 +37,7 @@ from m2r2_mlx.models.registry import load_model
 import jsonschema
 from tqdm.auto import tqdm
 
+from .cli import method_list
 from .methods import layerskip
 from .questions import ORDERS, ordered
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
+        type=method_list(STRUCTURED_METHODS),
         help=f"comma-separated, of: {', '.join(STRUCTURED_METHODS)} (default: {DEFAULT_METHODS})",
     )
     p.add_argument("--order", choices=ORDERS, default="given", help="the order prompts are asked in")
@@ -159,9 +161,6 @@ def summarise(records: dict[str, list[dict]], names: list[str]) -> str:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in names if m not in STRUCTURED_METHODS]
-    if bad:
-        raise M2R2Error(f"unknown methods {bad}; choose from {', '.join(STRUCTURED_METHODS)}")
     names = names if "plain" in names else ["plain", *names]
     prompts = ordered(read_prompts(args.prompts), args.order, args.seed)[: args.limit]
     lm = load_model(args.model)

@@ -84,11 +84,17 @@ def add_checkpoint_parser(sub) -> None:
     c.add_argument("--force", action="store_true", help="replace an existing output folder")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    # the short form `m2r2-convert CKPT --base B -o OUT` means `m2r2-convert checkpoint CKPT ...`
+def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser and the arguments it reads: the short form `m2r2-convert CKPT --base B -o OUT` means
+    `m2r2-convert checkpoint CKPT ...`."""
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
         argv = ["checkpoint", *argv]
-    return build_parser().parse_args(argv)
+    return build_parser(), argv
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser, argv = parser_for(argv)
+    return parser.parse_args(argv)
 
 
 def _gates(text: str | None) -> list[int] | None:

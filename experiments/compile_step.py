@@ -11,7 +11,7 @@ Three greedy decoding loops on the embedded model, timed side by side over the s
 Every loop's tokens must equal the eager loop's. Also timed: one 8-token forward (a verification), eager and
 compiled. Writes a markdown table (``--out``).
 
-    python -m experiments.compile_step --out docs/compile_step.md
+    python -m experiments.compile_step --tokens 48 --rounds 2
 """
 
 from __future__ import annotations
@@ -118,12 +118,16 @@ def verify_times(model, parts, capacity: int, prompt: list[int], rounds: int) ->
     return {k: statistics.median(v[2:]) for k, v in times.items()}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.compile_step", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt and loop")
     p.add_argument("--rounds", type=int, default=3, help="rounds over the prompts")
-    p.add_argument("--out", type=Path, default=Path("docs/compile_step.md"))
-    args = p.parse_args()
+    p.add_argument("--out", type=Path, default=Path("m2r2-bench-results/compile_step.md"))
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     lm = load_model()
     parts = BaseParts(lm.model)

@@ -276,7 +276,7 @@ def plot(pairs, costs, out: Path) -> None:
     plt.close(fig)
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.draft_calibration", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None)
@@ -286,7 +286,11 @@ def _main() -> int:
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("docs/draft_calibration.md"))
-    args = ap.parse_args()
+    return ap
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
 
     lm = load_model(args.model)
     drafter = fast_drafter(lm, DecodeConfig(gate=args.gate), args.adapters, threshold=0.0)

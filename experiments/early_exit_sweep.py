@@ -119,9 +119,7 @@ def plot(rows: list[dict], out: Path) -> None:
     atomic_save_figure(fig, out)
 
 
-def _main() -> int:
-    from rouge_score import rouge_scorer
-
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.early_exit_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None)
@@ -131,7 +129,13 @@ def _main() -> int:
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=Path("docs"))
-    args = ap.parse_args()
+    return ap
+
+
+def _main() -> int:
+    from rouge_score import rouge_scorer
+
+    args = build_parser().parse_args()
 
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the early-exit sweep")
@@ -219,7 +223,7 @@ def _main() -> int:
         "The perfect exit rule sends each token of the full model's own answers out at the first gate whose "
         "fast-stream exit (over the same exit vocabulary) is the full model's token: no rule can save more at "
         "100% agreement; at 95%, the 5% of tokens that gain most also leave at the first gate, wrongly. It "
-        "bounds what a better exit rule can add over the gates' accuracy (docs/gate_agreement.md).",
+        "bounds what a better exit rule can add over the gates' accuracy (docs/training.md).",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out / "early_exit.png")

@@ -88,7 +88,7 @@ def patience_odds(labels: np.ndarray, tokens: np.ndarray) -> list[tuple[float, f
     return [(float(right[agree[:, j], j].mean()), float(right[~agree[:, j], j].mean())) for j in range(agree.shape[1])]
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.exit_policies", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None)
@@ -97,7 +97,11 @@ def _main() -> int:
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=Path("docs"))
-    args = ap.parse_args()
+    return ap
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
 
     lm = load_model(args.model)
     m2r2 = load_m2r2(lm, args.adapters, "the exit-policy benchmark")

@@ -6,7 +6,7 @@ Two evaluation sets, neither trained on:
 - held-out text: the rows the trainer held out (figures stored in m2r2_config.json);
 - Spec-Bench answers: the base model's own greedy answers to Spec-Bench questions
   (--per-category from each of the 13 categories), scored at the answer positions.
-Writes docs/gate_agreement.md and docs/gate_agreement.png.
+Writes gate_agreement.md and gate_agreement.png into --out (default m2r2-bench-results/gate_agreement).
 
 Comparing two versions of the adapters on the same tokens: ``--baseline DIR`` adds that
 folder's fast stream as another column, and ``--rows build/smollm2/data.npy --eval-rows 24``
@@ -181,7 +181,7 @@ def every_layer(m2r2, sets: dict, results: dict, out: Path) -> str:
     return "\n".join(lines) + f"\n\n![naive exit after every layer]({out.name})\n"
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.gate_agreement", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None, help="adapters folder (default: the packaged ones for the model)")
@@ -205,8 +205,12 @@ def _main() -> int:
     ap.add_argument(
         "--every-layer", action="store_true", help="also the naive exit after every layer (a table and a plot)"
     )
-    ap.add_argument("--out", type=Path, default=Path("docs"))
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=Path("m2r2-bench-results/gate_agreement"))
+    return ap
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
 
     for path in args.rows:
         if not path.is_file():

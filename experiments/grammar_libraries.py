@@ -3,7 +3,8 @@
 For each library: how many schemas it compiles (the 20 extraction schemas of bench/data/extraction.jsonl and a
 set of harder JSON Schema features), the seconds a schema takes to compile for SmolLM2's 49,152-token vocabulary,
 and the microseconds per token to compute the next-token mask while following a valid answer (the plain answers
-of docs/structured/given/answers.jsonl, so each library walks the same tokens). Writes docs/grammar_libraries.md.
+of docs/structured/given/answers.jsonl, so each library walks the same tokens).
+Writes bench/results/grammar-libraries/results.md.
 
     pip install outlines-core xgrammar apache-tvm-ffi   # the two libraries m2r2 does not depend on
     python -m experiments.grammar_libraries
@@ -182,7 +183,7 @@ def main() -> None:
         ]
     )
     atomic_write_text(
-        ROOT / "docs/grammar_libraries.md",
+        ROOT / "bench/results/grammar-libraries/results.md",
         "# Choosing the structured-output library\n\n`python -m experiments.grammar_libraries` on this machine "
         "(2-core x86, SmolLM2-135M's tokenizer, 49,152 tokens): each library compiles the 20 extraction schemas "
         "and follows the plain answers to them token by token, computing the next-token mask at each; then the "

@@ -168,8 +168,8 @@ def replay(answers: list[dict], policy: str, table: CostTable, eos: set[int]) ->
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m experiments.lookup_replay", description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=Path, required=True)
     ap.add_argument("--categories", default="all")
     ap.add_argument("--limit", type=int, default=None)
@@ -177,7 +177,11 @@ def main() -> None:
     ap.add_argument("--order", choices=ORDERS, default="given")
     ap.add_argument("--record", type=Path, required=True, help="folder for the recorded answers (made once)")
     ap.add_argument("--tables", default=",".join(TABLES))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     path = args.record / "answers.json"
     if not path.is_file():
         questions = select_questions(args.questions, args.categories, args.limit)

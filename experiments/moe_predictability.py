@@ -153,13 +153,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.moe_predictability", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", type=Path, default=Path("build/smollm2-moe"))
     parser.add_argument("--targets", default="8,12,16,20,24,29", help="MoE layers predicted (comma-separated)")
     parser.add_argument("--sizes", default="16384,65536", help="training tokens each predictor is fitted on")
     parser.add_argument("--out", type=Path, default=Path("m2r2-bench-results/moe_predictability"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     def body() -> None:
         paths = [args.model / "train.npy", args.model / "heldout.npy"]

@@ -138,7 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
     atomic_save_figure(fig, path)
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.moe_routing", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="build/tiny-olmoe")
     ap.add_argument(
@@ -149,7 +149,11 @@ def _main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--out", type=Path, default=Path("m2r2-bench-results/moe_routing"))
-    args = ap.parse_args()
+    return ap
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
     if not args.tokens.is_file():
         raise M2R2Error(
             f"{args.tokens} not found; build it with: python -m m2r2_tools.tiny_olmoe data -o build/olmoe-data"

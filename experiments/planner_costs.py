@@ -95,8 +95,8 @@ def speedups(result: dict, category: str | None = None) -> dict[str, float]:
     return {name: rate(r) / rate(result["plain"]) for name, r in result.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m experiments.planner_costs", description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=Path, default=Path("bench/data/heldout.jsonl"))
     ap.add_argument("--categories", default="all")
     ap.add_argument("--limit", type=int, default=None)
@@ -105,7 +105,11 @@ def main() -> None:
     ap.add_argument("--tables", default=",".join(TABLES))
     ap.add_argument("--methods", default=",".join(NAMES))
     ap.add_argument("--out", type=Path, default=None, help="results.md here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     names = args.methods.split(",")
     if names[0] != "plain" or any(n not in NAMES for n in names):
         raise M2R2Error(f"--methods: plain first, then any of {', '.join(NAMES)}")

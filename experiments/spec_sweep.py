@@ -34,7 +34,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def _main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.spec_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapters", default=None)
@@ -47,7 +47,11 @@ def _main() -> int:
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=Path("docs/speculative_sweep.md"))
-    args = ap.parse_args()
+    return ap
+
+
+def _main() -> int:
+    args = build_parser().parse_args()
 
     lm = load_model(args.model)
     qs = select_questions(args.questions, args.categories, args.limit)

@@ -1,7 +1,7 @@
 """m2r2-profile: where a decode step's time goes, against this machine's own limits, as a trace to open.
 
     m2r2-profile                                          # the default method on the embedded model, 64 tokens
-    m2r2-profile --method plain --out docs/profile        # each method into one folder: profile.png compares them
+    m2r2-profile --method plain --out build/profile       # each method into one folder: profile.png compares them
     m2r2-profile --model MOE_FOLDER --memory-budget 25%   # an MoE within an expert budget: loads, stalls, link
     MTL_CAPTURE_ENABLED=1 m2r2-profile --metal-capture decode.gputrace   # macOS: Xcode's capture of the decode
 

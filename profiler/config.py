@@ -71,7 +71,7 @@ def profile_config(values: dict) -> ProfileConfig:
     if options.decode.compile:
         raise M2R2Error(
             "--compile fuses each step into one graph, which cannot be split by component; profile without it "
-            "(its speed against plain decoding: docs/compile_step.md)"
+            "(its speed against plain decoding: docs/benchmarks.md)"
         )
     trace = Path(values["trace"]) if values.get("trace") else None
     check_trace(trace)

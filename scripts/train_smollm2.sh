@@ -5,7 +5,7 @@
 # Warm start: the adapters committed before this recipe ("v6", taken from git at caafdce; their own history in
 # docs/training.md), with the first gate's interval (layers 0-5) widened from rank 64 to 256 and trained alone for
 # 350 steps on data v2 and v3 together, with a context feature (the previous position's final state projected into
-# the interval's start; docs/m2r2-core.md); the other intervals stay v6's. Then ARLA is trained anew.
+# the interval's start; docs/training.md); the other intervals stay v6's. Then ARLA is trained anew.
 # The self-distilled answers of both data sets are kept in data/ and seed the answer logs, so nothing is
 # regenerated (m2r2-train --stage data only packs them into token rows).
 # Cost on a 2-core x86 CPU with OpenBLAS (measured, docs/training.md): 350 training steps (28-41 min), ARLA (~5 min).

@@ -26,7 +26,7 @@ class SlotKV:
 class CompiledSteps:
     """One-token decode steps compiled with mx.compile over preallocated keys and values: the graph is traced
     once per capacity (a multiple of 256 positions) instead of rebuilt every token, and its elementwise work is
-    fused (docs/compile_step.md). Between answers the arrays are handed back to mlx-lm's KVCache as its storage,
+    fused (docs/benchmarks.md). Between answers the arrays are handed back to mlx-lm's KVCache as its storage,
     so a chat's next turn reuses them as the eager loop's would."""
 
     CAPACITY_STEP = 256
