@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="what the server logs to stderr (default: INFO: one line per request)",
     )
+    p.add_argument(
+        "--no-loop-guard",
+        dest="loop_guard",
+        action="store_false",
+        help="let structured answers repeat array items and string pieces without limit (a request's "
+        '"loop_guard": true still asks for the guard)',
+    )
     add_options(p)
     return p
 
@@ -111,7 +118,7 @@ def _main() -> int:
     worker = ModelWorker(partial(load_model, model), adapters, defaults, args.max_queue)
     lm = worker.start()
     try:
-        server = Server((args.host, args.port), worker, defaults, lm.name, api_key)
+        server = Server((args.host, args.port), worker, defaults, lm.name, api_key, args.loop_guard)
     except OSError as e:
         raise M2R2Error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
     host, port = server.server_address[:2]

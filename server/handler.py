@@ -26,7 +26,7 @@ from .protocol import (
     usage,
     usage_chunk,
 )
-from .tools import ToolCallSplitter, ToolFormat
+from .tools import CallDeltas, ToolCallSplitter, ToolFormat
 from .worker import Failed, Job, ModelWorker, Piece
 
 log = logging.getLogger("m2r2-server")
@@ -188,7 +188,9 @@ class Handler(BaseHTTPRequestHandler):
                     f"no such endpoint: POST {path} (try /v1/chat/completions or /v1/completions)", status=404
                 )
             body = self._body()
-            request = parse_request(ROUTES[path], body, self.server.defaults, self.server.tool_format)
+            request = parse_request(
+                ROUTES[path], body, self.server.defaults, self.server.tool_format, self.server.loop_guard
+            )
             job = self.server.worker.submit(request)
         except RequestError as e:
             self._error(e, close=e.unread)
@@ -271,8 +273,12 @@ class Handler(BaseHTTPRequestHandler):
         return ("" if calls and not content.strip() else content), calls
 
     def _stream(self, job: Job, item) -> None:
+        """Server-sent events: content as it comes; tool calls as OpenAI streams them (a call's id and name once
+        written, then its arguments piece by piece) where the grammar holds them to JSON, else in one chunk at
+        the end."""
         req, model = job.request, self.server.model_name
         splitter = ToolCallSplitter(self.server.tool_format) if req.tools else None
+        deltas = CallDeltas() if splitter is not None and self.server.tool_format.is_json else None
         offset = 0  # where the next piece's text starts (the legacy logprobs' text_offset)
         self._headers(200, "text/event-stream", extra={"Cache-Control": "no-cache"})
         while isinstance(item, Piece):
@@ -280,20 +286,26 @@ class Handler(BaseHTTPRequestHandler):
             logprobs = logprobs_object(req, item.logprobs or [], offset)
             if text or logprobs:
                 self._event(chunk(req, model, text, logprobs=logprobs))
+            if deltas is not None and (calls := deltas.feed(splitter.take())):
+                self._event(chunk(req, model, None, tool_calls=calls))
             offset += len(text)
             item = self._next(job)
         if isinstance(item, Failed):  # after the headers: an error event, as OpenAI's stream sends one
             self._event(error_body(item.error.message, item.error.kind, item.error.param))
             self._event("[DONE]")
             return
-        finish = item.finish_reason
-        if splitter is not None:
+        finish, rest, calls = item.finish_reason, "", []
+        if deltas is not None:  # the calls went out as they came (one cut by max_tokens ends with "length")
+            rest, called = splitter.close(), deltas.calls > 0
+        elif splitter is not None:
             rest, calls = splitter.finish(req.tools, streaming=True)
-            if rest:
-                self._event(chunk(req, model, rest))
-            if calls:
-                self._event(chunk(req, model, None, tool_calls=calls))
-                finish = "tool_calls" if finish == "stop" else finish
+            called = bool(calls)
+        if rest:
+            self._event(chunk(req, model, rest))
+        if calls:
+            self._event(chunk(req, model, None, tool_calls=calls))
+        if splitter is not None and called and finish == "stop":
+            finish = "tool_calls"
         self._event(chunk(req, model, None, finish))
         if req.include_usage:
             self._event(usage_chunk(req, model, usage(item.stats, item.mode)))
@@ -301,8 +313,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """ThreadingHTTPServer with the model worker, the server's default decoding options and its API key (None: the
-    /v1 routes are open)."""
+    """ThreadingHTTPServer with the model worker, the server's default decoding options, its API key (None: the
+    /v1 routes are open) and whether structured answers are kept out of loops unless a request says otherwise."""
 
     daemon_threads = True
 
@@ -313,8 +325,10 @@ class Server(ThreadingHTTPServer):
         defaults: DecodingOptions,
         model_name: str,
         api_key: str | None = None,
+        loop_guard: bool = True,
     ):
         self.worker, self.defaults, self.model_name, self.api_key = worker, defaults, model_name, api_key or None
+        self.loop_guard = loop_guard  # the default of a request's "loop_guard"
         self.timeout_s = TIMEOUT_S
         self.tool_format = ToolFormat.of(worker.lm.tokenizer if worker.lm is not None else None)
         host = address[0]

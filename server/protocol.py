@@ -12,8 +12,8 @@ from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
 
 from .errors import RequestError
-from .fields import is_a, parse_logprobs, parse_response_format, parse_tool_calls, parse_tools
-from .tools import ToolFormat
+from .fields import is_a, parse_logprobs, parse_loop_guard, parse_response_format, parse_tool_calls, parse_tools
+from .tools import PROMPTED, ToolFormat
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4  # as OpenAI's API
@@ -43,7 +43,7 @@ class Request:
     model: str | None = None
     id: str = ""
     created: int = 0
-    tools: list[dict] | None = None  # rendered by the chat template; None: no tools (or tool_choice "none")
+    tools: list[dict] | None = None  # the functions offered (in the template, or the system message); None: none
 
     @property
     def logprobs(self) -> bool:
@@ -148,9 +148,13 @@ def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
     return replace(options, generation=replace(options.generation, stop=tuple(_stop(body))))
 
 
-def parse_request(kind: str, body, defaults: DecodingOptions, tool_format: ToolFormat | None = None) -> Request:
+def parse_request(
+    kind: str, body, defaults: DecodingOptions, tool_format: ToolFormat | None = None, loop_guard: bool = True
+) -> Request:
     """A request body from /v1/chat/completions (``kind="chat"``) or /v1/completions (``"text"``);
-    ``tool_format``: how the served model writes tool calls (None: its template has none)."""
+    ``tool_format``: how the served model writes tool calls (default: described in the prompt, as for a template
+    without tool calling); ``loop_guard``: the server's default for the loop guard of structured answers."""
+    tool_format = tool_format or PROMPTED
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for name, neutral in UNSUPPORTED.items():
@@ -166,22 +170,20 @@ def parse_request(kind: str, body, defaults: DecodingOptions, tool_format: ToolF
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
     options = request_options(body, defaults)
-    grammar, tools, call = parse_response_format(body), None, None
+    loop_guard = parse_loop_guard(body, loop_guard)
+    grammar, offer = parse_response_format(body, loop_guard), None
     if kind == "chat":
-        tools, call = parse_tools(body, tool_format)
+        offer = parse_tools(body)
     elif body.get("tools"):
         raise RequestError("'tools' belong to /v1/chat/completions", "tools")
-    if grammar is not None and tools is not None:
+    if grammar is not None and offer is not None:
         raise RequestError(
             "'response_format' with 'tools' cannot be served: an answer held to the format could not call a "
             "tool; send one of them (or tool_choice 'none')",
             "response_format",
         )
-    if call is not None:
-        try:
-            grammar = tool_format.grammar(tools, call or None)
-        except M2R2Error as e:  # a tool's parameters that are no JSON schema the grammar library takes
-            raise RequestError(f"'tools': {e}", "tools") from None
+    if offer is not None:
+        grammar = offer.grammar(tool_format, loop_guard)
     generation = replace(options.generation, grammar=grammar, logprobs=parse_logprobs(body, kind))
     req = Request(
         kind,
@@ -191,10 +193,10 @@ def parse_request(kind: str, body, defaults: DecodingOptions, tool_format: ToolF
         model=model,
         id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()),
-        tools=tools,
+        tools=offer.tools if offer is not None else None,
     )
     if kind == "chat":
-        req.messages = _messages(body)
+        req.messages = tool_format.render(_messages(body), req.tools)
     else:
         req.prompt = _prompt(body)
     return req

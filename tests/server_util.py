@@ -41,10 +41,11 @@ def running(lm, *flags: str, api_key: str | None = None, context: int | None = N
     """A server in this process on a free port; ``context``: the model's context shortened to that many tokens."""
     if context is not None:
         lm = ShortContext(**{f.name: getattr(lm, f.name) for f in fields(LoadedModel)}, short=context)
-    defaults = DecodingOptions.from_values(vars(build_parser().parse_args(list(flags))))
+    args = build_parser().parse_args(list(flags))
+    defaults = DecodingOptions.from_values(vars(args))
     worker = ModelWorker(lambda: lm, packaged_adapters("smollm2"), defaults, max_queue=16)
     worker.start()
-    srv = Server(("127.0.0.1", 0), worker, defaults, lm.name, api_key)
+    srv = Server(("127.0.0.1", 0), worker, defaults, lm.name, api_key, args.loop_guard)
     if timeout_s is not None:
         srv.timeout_s = timeout_s
     thread = threading.Thread(target=srv.serve_forever, daemon=True)

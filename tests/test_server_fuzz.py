@@ -1,6 +1,8 @@
 """Property-based request bodies (hypothesis) against the request parser and a live m2r2-server: never a 5xx, never a
 hang, every error in OpenAI's error shape. Bodies mix the fields the server reads (with plausible and arbitrary
-values), unknown fields, arbitrary JSON and arbitrary bytes. The examples are derandomized: a CI run is repeatable."""
+values: tools and their schemas reach the grammar compiler), unknown fields, arbitrary JSON and arbitrary bytes.
+The examples are derandomized: a CI run is repeatable. The quick suite parses 150 bodies; the slow suite 6,000
+more and sends a sample to a live server."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from m2r2_server.cli import build_parser
 from m2r2_server.protocol import UNSUPPORTED, Request, RequestError, error_body, parse_request
 from m2r2_server.tools import ToolFormat
 
+from .fuzz_util import watchdog
 from .server_util import is_error_body, port, running
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
@@ -59,6 +62,8 @@ FIELDS = {
                                                 "json_schema": st.fixed_dictionaries({"schema": JSON})}) | JSON,
     "tools": st.lists(TOOL | st.fixed_dictionaries({"type": st.just("function"), "function": JSON}), max_size=2)
              | JSON,
+    "parallel_tool_calls": st.booleans() | JSON,
+    "loop_guard": st.booleans() | JSON,
     "tool_choice": st.sampled_from(["none", "auto", "required"])
                    | st.fixed_dictionaries({"type": st.just("function"),
                                             "function": st.fixed_dictionaries({"name": st.text(max_size=6)})})
@@ -81,6 +86,11 @@ PLAUSIBLE = {  # values a real client sends: these bodies mostly pass the parser
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "draft": st.integers(1, 12),
     "tau": st.floats(0, 1),
+    "tools": st.lists(TOOL, min_size=1, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
+    "response_format": st.sampled_from(
+        [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}]
+    ),
 }
 VALID = st.fixed_dictionaries(
     {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=40)}), min_size=1,
@@ -101,20 +111,33 @@ def _defaults() -> DecodingOptions:
 JSON_TOOLS = ToolFormat("<tool_call>", "</tool_call>", json_tools.parse_tool_call)  # Qwen's and Hermes' calls
 
 
-@pytest.mark.parametrize(
-    "tool_format", [None, pytest.param(JSON_TOOLS, marks=pytest.mark.slow)], ids=["no-tools", "json-tools"]
-)
-@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(kind=KINDS, body=BODIES)
-def test_the_parser_answers_a_request_or_a_4xx_in_openais_shape(tool_format, kind, body):
+def _parses_or_refuses(tool_format, kind, body) -> None:
     defaults = _defaults()
     try:
-        parsed = parse_request(kind, body, defaults, tool_format)
+        with watchdog():
+            parsed = parse_request(kind, body, defaults, tool_format)
     except RequestError as e:
         assert 400 <= e.status < 500, e.message
-        assert is_error_body(error_body(e.message, e.kind, e.param, e.code))
+        assert is_error_body(error_body(e.message, e.kind, e.param, e.code)) and "\n" not in e.message
         return
     assert isinstance(parsed, Request) and parsed.kind == kind
+
+
+@pytest.mark.parametrize(
+    "tool_format", [None, pytest.param(JSON_TOOLS, marks=pytest.mark.slow)], ids=["prompted-tools", "json-tools"]
+)
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=KINDS, body=BODIES)
+def test_the_parser_answers_a_request_or_a_4xx_in_openais_shape(tool_format, kind, body):
+    _parses_or_refuses(tool_format, kind, body)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_format", [None, JSON_TOOLS], ids=["prompted-tools", "json-tools"])
+@settings(max_examples=3000, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kind=KINDS, body=BODIES)
+def test_thousands_of_bodies_are_parsed_or_refused(tool_format, kind, body):
+    _parses_or_refuses(tool_format, kind, body)
 
 
 def _post(srv, path: str, data: bytes) -> tuple[int, bytes, str]:
@@ -145,8 +168,9 @@ def _check(status: int, data: bytes, content_type: str) -> None:
 
 @pytest.fixture(scope="module")
 def short_server(lm):
-    """A live server whose model context is 96 tokens: any request decodes a few dozen tokens at most."""
-    with running(lm, "--max-tokens", "4", context=96, timeout_s=10) as srv:
+    """A live server whose model context is 512 tokens (tools described in a system message fit): any request
+    decodes a few dozen tokens at most."""
+    with running(lm, "--max-tokens", "4", context=512, timeout_s=10) as srv:
         yield srv
 
 
