@@ -254,7 +254,7 @@ class ExpertCache:
             raise ValueError(
                 f"{len(needed)} experts asked for at once, layer {layer} has {self.slots_per_layer[layer]} slots"
             )
-        start = self.clock.now()
+        start, written = self.clock.now(), self.residency.written
         misses: set[int] = set()  # read on demand: no read was held for them when the pass got here
         for round in range(1 if self.mode.side else 2):  # a second only for a prefetch _install refused
             missing = [e for e in needed if not self.is_resident(layer, e)]
@@ -272,8 +272,7 @@ class ExpertCache:
                 else:
                     self.ledger.hit(layer, e)
                 self.policies[layer].used(e)
-        if self.residency.dirty:
-            self.residency.flush()
+        if self.residency.written > written:  # (a pass that found everything resident waited for nothing)
             self.ledger.stalled(self.clock.now() - start)
 
     def host_sync(self) -> None:

@@ -29,6 +29,7 @@ three meet the same moments of a noisy machine; ``fit_cpu`` turns the ops' media
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -42,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..errors import M2R2Error
+from ..errors import M2R2Error, run_cli
 from ..models.registry import load_model
 from .metering import Metering, metered
 from .offload import offload_experts
@@ -50,6 +51,7 @@ from .profiles import PROFILES, DeviceProfile
 from .reader import probe_disk
 from .serve import exported_store
 
+PROG = "python -m m2r2_mlx.moe.insitu"
 FIXED_KINDS = ("attention", "rope", "norm")  # op kinds priced by a fixed cost beyond their bytes
 
 
@@ -255,15 +257,21 @@ def profile_here(folder: Path) -> DeviceProfile:
     )
 
 
-def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m m2r2_mlx.moe.insitu MODEL  (a built MoE model folder, e.g. build/smollm2-moe)")
-    try:
-        figures = measure_here(Path(sys.argv[1]))
-    except M2R2Error as e:
-        sys.exit(f"error: {e}")
-    print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()))
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="This machine's device profile, measured inside a decode.")
+    p.add_argument("model", type=Path, help="a built MoE model folder (e.g. build/smollm2-moe)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> None:
+        figures = measure_here(args.model)
+        print(" ".join(f"{k}={v:.3g}" for k, v in figures.items()))
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

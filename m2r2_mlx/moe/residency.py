@@ -3,7 +3,9 @@
 Each MoE layer gets ``S`` slots. A slot tensor per expert parameter has shape ``(S, *expert_shape)`` and never
 changes shape: loading an expert writes into one slot in place, and the router's expert ids are remapped to slot
 ids (``slot_map``) before the gathered matmul. So the model's compute graph is the same whatever is resident, and
-the memory held is exactly the budget. Slots are touched only from the forward pass's thread.
+the memory held is exactly the budget. A write is lazy: it runs with the next evaluation of the model's graph (the
+gathered matmul reading the slot needs it), not in a sync of its own. Slots are touched only from the forward
+pass's thread.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Residency:
         self._owner = {l: np.full(self.slots_per_layer[l], -1, np.int64) for l in self.layers}  # slot -> expert
         self._slot_of = {l: np.full(store.num_experts(l), -1, np.int32) for l in self.layers}  # expert -> slot
         self._maps: dict[int, mx.array] = {}
-        self._dirty: set[int] = set()
+        self.written = 0  # experts written into slots since the warm fill (the writes run with the layer's compute)
 
     @property
     def policy_name(self) -> str:
@@ -88,18 +90,8 @@ class Residency:
             tensors[name][slot] = a
         self._owner[layer][slot], self._slot_of[layer][expert] = expert, slot
         self.policies[layer].inserted(expert)
-        self._dirty.add(layer)
-
-    @property
-    def dirty(self) -> bool:
-        return bool(self._dirty)
-
-    def flush(self) -> None:
-        """Run the pending slot writes now (so their cost lands in the caller's time) and refresh the maps."""
-        mx.eval([a for l in self._dirty for a in self.tensors[l].values()])
-        for l in self._dirty:
-            self._maps.pop(l, None)
-        self._dirty.clear()
+        self._maps.pop(layer, None)
+        self.written += 1
 
     def warm_fill(self, read: Callable[[int, int], dict[str, np.ndarray]]) -> None:
         """Create each layer's slot tensors holding experts 0..S-1 (``read(layer, expert)``), uncounted. Built from
