@@ -26,9 +26,16 @@ from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
 from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help, load_model, resolve_model_path
+from m2r2_mlx.moe.cache import parse_budget
+from m2r2_mlx.moe.predictors import PREDICTORS
+from m2r2_mlx.moe.serve import serve_with_budget
 
 from .handler import Server
 from .worker import ModelWorker
+
+# the expert predictors a server runs: those that leave the decoder's layers as they are (the fast-stream ones wrap
+# them, which the adapters a request's method loads would not find)
+SERVED_PREDICTORS = [n for n, e in PREDICTORS.items() if not e.needs_adapters]
 
 log = logging.getLogger("m2r2-server")
 KEY_ENV = "M2R2_API_KEY"
@@ -81,8 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="let structured answers repeat array items and string pieces without limit (a request's "
         '"loop_guard": true still asks for the guard)',
     )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="B",
+        help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB; the rest are read from the "
+        "disk (default: all in memory)",
+    )
+    p.add_argument(
+        "--expert-predictor",
+        default="pregating",
+        choices=SERVED_PREDICTORS,
+        help="with --memory-budget: who reads experts ahead of time (default: pregating)",
+    )
     add_options(p)
     return p
+
+
+def _load(model: str, budget: str | None, predictor: str):
+    """The model (on the model thread), its experts within ``budget`` where one is given."""
+    lm = load_model(model, lazy=budget is not None)  # within a budget, the experts are never all read
+    if budget is not None:
+        serve_with_budget(lm, budget, predictor=predictor)
+    return lm
 
 
 def is_loopback(host: str) -> bool:
@@ -115,7 +143,11 @@ def _main() -> int:
     # names first: a mode without adapters, or a bad name, fails before any download
     model, adapters = resolve_for_mode(args.model, args.adapters, args.mode)
     resolve_model_path(model)  # downloads or imports once, with progress, before the model thread starts
-    worker = ModelWorker(partial(load_model, model), adapters, defaults, args.max_queue)
+    if args.memory_budget is not None:
+        parse_budget(args.memory_budget)  # one line for a bad budget, before anything loads
+    worker = ModelWorker(
+        partial(_load, model, args.memory_budget, args.expert_predictor), adapters, defaults, args.max_queue
+    )
     lm = worker.start()
     try:
         server = Server((args.host, args.port), worker, defaults, lm.name, api_key, args.loop_guard)
