@@ -95,3 +95,23 @@ def test_chat_panel_shows_expert_hit_rate_and_budget(moe_folder, tmp_path, monke
             assert app.session.expert_cache.stats.tokens > 0
 
     asyncio.run(run())
+
+
+def test_the_server_serves_an_moe_within_a_budget(moe_folder, tmp_path, monkeypatch):
+    """m2r2-server --memory-budget: the model thread loads the model lazily and serves its experts from the disk."""
+    from m2r2_mlx.moe import CachedSwitchGLU, moe_blocks
+
+    from m2r2_server.cli import _load, build_parser
+
+    monkeypatch.setenv("M2R2_HOME", str(tmp_path))
+    args = build_parser().parse_args(["--model", str(moe_folder), "--memory-budget", "25%"])
+    lm = _load(args.model, args.memory_budget, args.expert_predictor)
+    blocks = moe_blocks(lm.model)
+    assert blocks and all(isinstance(b.switch_mlp, CachedSwitchGLU) for _, b in blocks)
+    cache = blocks[0][1].switch_mlp.cache
+    try:
+        assert cache.slots_per_layer[cache.layers[0]] * 4 == cache.num_experts(cache.layers[0])
+        lm.model(mx.array([[3, 17, 42, 8]]))
+        assert cache.loader.reads > 0 or cache.stats.hits > 0
+    finally:
+        cache.close()
