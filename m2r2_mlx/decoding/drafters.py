@@ -44,11 +44,11 @@ class LayerDrafter:
 
     def propose(self, draft: Draft, request: DraftRequest) -> int:
         """Draft up to ``request.room(draft)`` tokens at the draft's end (its earlier positions first run through
-        the drafter's layers in one pass) while ``go_on(draft)``, a planner's rule that reads no token: the drafts
-        then stay on the device until the verification reads them with its own result. Without one, each draft's
-        token and confidence are read, and drafting stops at the end of sequence or below the threshold. Returns
-        the draft steps taken."""
-        cache, s, go_on = request.cache, request.sampling, request.go_on
+        the drafter's layers in one pass). Planned (``request.planned``), all of them: the drafts stay on the
+        device until the verification reads them with its own result. Otherwise each draft's token and
+        confidence are read, and drafting stops at the end of sequence or below the threshold. Returns the draft
+        steps taken."""
+        cache, s, planned = request.cache, request.sampling, request.planned
         cur, steps, written = draft.tokens[-1], 0, len(draft) - 1
         h_prev = cache.states[-1] if self.keeps_states and cache.states is not None else None
         if written:  # the context feature reads nothing for the draft's later positions
@@ -65,13 +65,11 @@ class LayerDrafter:
             i = mx.argmax(probs) if s.greedy else mx.random.categorical(mx.log(probs))
             cur = (i if self.head is None else self.head.ids[i]).astype(mx.int32)
             law = None if s.greedy else probs if self.head is None else self.head.full(probs, 0.0)
-            if go_on is None:  # the threshold decides: this draft's token and confidence, read at once
+            if not planned:  # the threshold decides: this draft's token and confidence, read at once
                 token, conf = host.read(mx.stack([cur.astype(mx.float32), probs[i]]))
                 cur = int(token)
             draft.add(cur, self.kind, law)
-            if go_on is not None and not go_on(draft):
-                break
-            if go_on is None and (cur in request.eos_ids or conf < self.threshold):
+            if not planned and (cur in request.eos_ids or conf < self.threshold):
                 break  # an unsure draft is still verified (Kangaroo's rule), but none is drafted after it
         for layer in cache.layers[: self.exit_layer]:  # drop the drafted positions' provisional K/V
             layer.trim(written + steps)

@@ -119,21 +119,17 @@ class CostPlanner:
             return chosen
         return Selection(floor, sum(chosen.reach[:floor]), self.costs.verify_cost(floor), chosen.reach)
 
-    def drafting_pays(self, chosen: Selection, end: int, limit: int) -> bool:
-        """Whether the fast stream drafting after the draft's first ``end`` positions (up to ``limit`` tokens)
-        raises the tokens per second of the ``chosen`` verification."""
+    def draft_steps(self, chosen: Selection, limit: int) -> int:
+        """How many fast-stream drafts after the ``chosen`` prefix (up to ``limit``) give its verification the most
+        tokens per second, the draft steps included; 0 where none beats verifying the prefix alone."""
         n, tokens, seconds = chosen.n, chosen.tokens, chosen.seconds
-        pi, step, rate = chosen.reach[end - 1], self.costs.draft_cost(), tokens / seconds
-        for position in range(end, end + limit):
-            pi *= self.rate(self.model_kind, position)
-            tokens, seconds, n = tokens + pi, seconds + step + self.costs.extra(n), n + 1
-            if tokens / seconds > rate:
-                return True
-        return False
-
-    def go_on(self, draft: Draft) -> bool:
-        """After the fast stream's latest draft: whether one more draft step is expected to pay."""
-        return self.drafting_pays(self.select(draft), len(draft), limit=1)
+        pi, step, best, steps = chosen.reach[n - 1], self.costs.draft_cost(), tokens / seconds, 0
+        for k in range(1, limit + 1):
+            pi *= self.rate(self.model_kind, n + k - 1)
+            tokens, seconds = tokens + pi, seconds + step + self.costs.extra(n + k - 1)
+            if tokens / seconds > best:
+                best, steps = tokens / seconds, k
+        return steps
 
     def plan(self, draft: Draft, request: DraftRequest) -> StepPlan:
         chosen = self.select(draft)
@@ -141,9 +137,10 @@ class CostPlanner:
         room = request.room(draft)
         if room <= 0 or self.model_kind is None or draft.tokens[-1] in request.eos_ids:
             return StepPlan(chosen.n)
-        if not self.drafting_pays(chosen, chosen.n, room):
+        steps = self.draft_steps(chosen, room)
+        if not steps:
             return StepPlan(chosen.n)
-        return StepPlan(chosen.n, replace(request, go_on=self.go_on))
+        return StepPlan(chosen.n, replace(request, limit=chosen.n - 1 + steps, planned=True))
 
     def observe(self, outcome: Outcome) -> None:
         draft = outcome.draft

@@ -5,7 +5,7 @@ drafted and verified: a ``StepPlan``, and learns from each step's ``Outcome``)."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
 from ..tracing import NO_TRACE, Tracer
 
@@ -42,8 +42,9 @@ class DraftRequest:
     limit: int  # the most drafted tokens the draft may hold
     sampling: Sampling
     eos_ids: set[int]
-    # after each draft, whether to draft another: go_on(draft) (None: the drafter's own threshold)
-    go_on: Callable[[Draft], bool] | None = None
+    # the planner chose how many to draft (``limit``): draft them all, reading no token until the verification
+    # reads them; False: the drafter stops on its own (its threshold, the end of sequence)
+    planned: bool = False
     constraint: Constraint | None = None  # the answer's grammar (structured output)
     tracer: Tracer = NO_TRACE  # the engine's hooks (a drafter runs its draft head through them)
 
