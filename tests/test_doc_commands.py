@@ -69,12 +69,18 @@ def commands() -> list[Command]:
         for number, line in fenced_lines(page.read_text()):
             line = line.removeprefix("$ ")
             for part in re.split(r"\s(?:&&|\|\||;)\s", line):
-                words = part.split()
-                while words and re.fullmatch(r"\w+=\S*", words[0]):  # VAR=value before the command
-                    words.pop(0)
+                words = _words(part)
                 if words and (re.fullmatch(r"m2r2-[\w-]+", words[0]) or _module_of(words) is not None):
                     found.append(Command(str(page.relative_to(ROOT)), number, part.strip()))
     return found
+
+
+def _words(text: str) -> list[str]:
+    """A command line's words, without the VAR=value assignments before the command."""
+    words = text.split()
+    while words and re.fullmatch(r"\w+=\S*", words[0]):
+        words.pop(0)
+    return words
 
 
 def _module_of(words: list[str]) -> str | None:
@@ -153,9 +159,7 @@ def _is_prose(inside: str) -> bool:
 
 def parser_for(command: Command, argv: list[str]):
     """The command's own parser and the arguments it reads."""
-    words = shlex.split(PROSE.sub(lambda m: "" if _is_prose(m.group(1)) else m.group(0), command.text), comments=True)
-    while words and re.fullmatch(r"\w+=\S*", words[0]):
-        words.pop(0)
+    words = _words(command.text)
     module_name = SCRIPTS.get(words[0]) or _module_of(words)
     if module_name is None:
         raise LookupError(f"no command {words[0]} (the installed ones: {', '.join(sorted(SCRIPTS))})")
@@ -174,9 +178,7 @@ def parser_for(command: Command, argv: list[str]):
 
 def arguments(command: Command) -> str:
     """The text after the command (and after `python -m MOD`, or torchrun's own flags and `-m MOD`)."""
-    words = command.text.split()
-    while words and re.fullmatch(r"\w+=\S*", words[0]):
-        words.pop(0)
+    words = _words(command.text)
     skip = 1 if words[0].startswith("m2r2-") else words.index("-m") + 2
     return " ".join(words[skip:])
 
