@@ -1,12 +1,12 @@
 """m2r2-server: an OpenAI-compatible HTTP server for M2R2 decoding, in the manner of mlx_lm.server.
 
     m2r2-server                                         # the embedded SmolLM2-135M on http://127.0.0.1:8080/v1
-    m2r2-server --mode speculative --port 8000          # speculative decoding unless a request asks otherwise
+    m2r2-server --method lookup --port 8000             # prompt lookup unless a request asks otherwise
     m2r2-server --adapters owner/repo                   # Hub adapters; their base model is the model
     M2R2_API_KEY=secret m2r2-server --host 0.0.0.0      # on the network: clients send Authorization: Bearer secret
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with "stream": true for server-sent events),
-GET /v1/models, GET /health. A request picks its decoding with extra fields ("mode", "tau", "draft", ...);
+GET /v1/models, GET /health. A request picks its decoding with extra fields ("method", "tau", "draft", ...);
 the flags below are the defaults. Details: docs/server.md.
 """
 
@@ -21,7 +21,7 @@ import sys
 from functools import partial
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
-from m2r2_mlx.decoding.decoders import MODES, resolve_for_mode
+from m2r2_mlx.decoding.methods import METHODS, resolve_for_method
 from m2r2_mlx.decoding.options import DecodingOptions, add_options
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="m2r2-server",
         description="Serve a model over OpenAI's HTTP API with M2R2 "
-        "decoding (early exit, lossless speculative decoding), every mode per request.",
+        "decoding (early exit, lossless speculative decoding), every method per request.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
     p.add_argument(
@@ -140,8 +140,8 @@ def _main() -> int:
             file=sys.stderr,
             flush=True,
         )
-    # names first: a mode without adapters, or a bad name, fails before any download
-    model, adapters = resolve_for_mode(args.model, args.adapters, args.mode)
+    # names first: a method without adapters, or a bad name, fails before any download
+    model, adapters = resolve_for_method(args.model, args.adapters, args.method)
     resolve_model_path(model)  # downloads or imports once, with progress, before the model thread starts
     if args.memory_budget is not None:
         parse_budget(args.memory_budget)  # one line for a bad budget, before anything loads
@@ -154,11 +154,11 @@ def _main() -> int:
     except OSError as e:
         raise M2R2Error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
     host, port = server.server_address[:2]
-    free = " and ".join(", ".join(n for n, m in MODES.items() if not m.needs_adapters).rsplit(", ", 1))
-    modes = "all modes" if adapters else f"{free} (no adapters for this model)"
+    free = " and ".join(", ".join(n for n, m in METHODS.items() if not m.needs_adapters).rsplit(", ", 1))
+    methods = "all methods" if adapters else f"{free} (no adapters for this model)"
     key = "; API key required" if api_key else ""
     print(
-        f"m2r2-server: {lm.name} ({lm.num_layers} layers, {modes}; default {args.mode}; {blas_info().name} BLAS"
+        f"m2r2-server: {lm.name} ({lm.num_layers} layers, {methods}; default {args.method}; {blas_info().name} BLAS"
         f"{key}) on http://{host}:{port}/v1",
         file=sys.stderr,
         flush=True,

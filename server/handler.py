@@ -260,7 +260,7 @@ class Handler(BaseHTTPRequestHandler):
         if req.tools:
             text, calls = self._tool_calls(req, text)
             finish = "tool_calls" if calls and finish == "stop" else finish
-        use = usage(item.stats, item.mode)
+        use = usage(item.stats, item.method)
         logprobs = logprobs_object(req, entries)
         self._json(200, completion(req, self.server.model_name, text, finish, use, logprobs, calls or None))
 
@@ -308,7 +308,7 @@ class Handler(BaseHTTPRequestHandler):
             finish = "tool_calls"
         self._event(chunk(req, model, None, finish))
         if req.include_usage:
-            self._event(usage_chunk(req, model, usage(item.stats, item.mode)))
+            self._event(usage_chunk(req, model, usage(item.stats, item.method)))
         self._event("[DONE]")
 
 

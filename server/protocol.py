@@ -7,9 +7,8 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions
+from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions, Option, OptionError
 from m2r2_mlx.decoding.stats import AnswerStats
-from m2r2_mlx.errors import M2R2Error
 
 from .errors import RequestError
 from .fields import is_a, parse_logprobs, parse_loop_guard, parse_response_format, parse_tool_calls, parse_tools
@@ -123,8 +122,8 @@ def _stop(body: dict) -> list[str]:
 
 def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
     """The decoding options of one request: ``defaults`` (the server's flags), with each option's request field
-    over it (OpenAI's name first, then ours: m2r2_mlx.decoding.options.OPTIONS), type- and range-checked, and
-    the request's stop strings."""
+    over it (OpenAI's name first, then ours: m2r2_mlx.decoding.options.OPTIONS), type- and range-checked (the
+    ranges by the configs themselves), and the request's stop strings."""
     values = defaults.values()
     for o in OPTIONS:
         given = [f for f in o.fields if body.get(f) is not None]
@@ -134,17 +133,14 @@ def request_options(body: dict, defaults: DecodingOptions) -> DecodingOptions:
         if not is_a(value, o.type):
             raise RequestError(f"'{name}' must be {_TYPE_NAMES[o.type]}", name)
         values[o.dest] = o.type(value)
-    for o in OPTIONS:  # range checks, naming the field
-        if o.dest in values:
-            name = next((f for f in o.fields if body.get(f) is not None), (o.fields or (o.dest,))[0])
-            try:
-                o.check(values[o.dest], f"'{name}'")
-            except M2R2Error as e:
-                raise RequestError(str(e), name) from None
+
+    def field_name(o: Option) -> str:  # the field the request set, else the option's first
+        return next((f for f in o.fields if body.get(f) is not None), (o.fields or (o.dest,))[0])
+
     try:
-        options = DecodingOptions.from_values(values)
-    except M2R2Error as e:  # the mode against the server's KV options
-        raise RequestError(str(e), "mode") from None
+        options = DecodingOptions.from_values(values, lambda o: f"'{field_name(o)}'")
+    except OptionError as e:
+        raise RequestError(str(e), field_name(e.option)) from None
     return replace(options, generation=replace(options.generation, stop=tuple(_stop(body))))
 
 
@@ -202,15 +198,15 @@ def parse_request(
     return req
 
 
-def usage(stats: AnswerStats, mode: str) -> dict:
-    """OpenAI's usage, plus what the decoding mode did: tokens per full-model step, the share of layer passes
+def usage(stats: AnswerStats, method: str) -> dict:
+    """OpenAI's usage, plus what the decoding method did: tokens per full-model step, the share of layer passes
     skipped, drafts accepted, and where tokens left the model."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.tokens,
         "total_tokens": stats.prompt_tokens + stats.tokens,
         "prompt_tokens_details": {"cached_tokens": stats.prompt_tokens - stats.prefill_tokens},
-        "mode": mode,
+        "method": method,
         "tokens_per_step": round(stats.accepted_per_step, 4),
         "layers_skipped": round(stats.layers_skipped, 4),
         "drafts_accepted": stats.drafted,

@@ -19,10 +19,10 @@ from typing import Callable
 
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import DecodeConfig
-from m2r2_mlx.decoding.decoders import MODES, make_decoder
 from m2r2_mlx.decoding.events import TokenEvent, check_context
 from m2r2_mlx.decoding.grammar import ll_tokenizer
-from m2r2_mlx.decoding.options import DecodingOptions, check_kv
+from m2r2_mlx.decoding.methods import METHODS, make_decoder
+from m2r2_mlx.decoding.options import DecodingOptions
 from m2r2_mlx.decoding.protocols import Decoder
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error
@@ -46,7 +46,7 @@ class Piece:
 class Done:
     finish_reason: str
     stats: AnswerStats
-    mode: str
+    method: str
 
 
 @dataclass
@@ -65,12 +65,12 @@ class TokenBytes:
         raw = self.tokenizer.decode_bytes([token])
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    def entry(self, ev: TokenEvent, mode: str) -> dict:
+    def entry(self, ev: TokenEvent, method: str) -> dict:
         """``layer``: the layers whose distribution the log-probabilities are (the exit layer in early exit)."""
         return {
             **self._token(ev.token, ev.logprob),
             "top_logprobs": [self._token(t, lp) for t, lp in ev.top_logprobs],
-            "layer": ev.exit_layer if mode == "early-exit" else ev.num_layers,
+            "layer": ev.exit_layer if method == "early-exit" else ev.num_layers,
         }
 
 
@@ -133,7 +133,7 @@ class ModelWorker:
             self.lm = self.load()
             # its prompt cache (with the server's KV options) and chat template serve every request
             self.session = ChatSession(self.lm, kv=self.defaults.kv)
-            self.decoder(self.defaults.decode)  # the default mode's adapters load now, not on the first request
+            self.decoder(self.defaults.decode)  # the default method's adapters load now, not on the first request
         except BaseException as e:  # reported by start(), on the caller's thread
             self.load_error = e
             self.ready.set()
@@ -163,18 +163,14 @@ class ModelWorker:
     # ---- requests ---------------------------------------------------------------------------------------
     def submit(self, request: Request) -> Job:
         """Queue a request; 503 when ``max_queue`` requests already wait."""
-        mode = request.options.decode.mode
-        if MODES[mode].needs_adapters and self.adapters is None:
-            free = ", ".join(name for name, m in MODES.items() if not m.needs_adapters)
+        method = request.options.decode.method
+        if METHODS[method].needs_adapters and self.adapters is None:
+            free = ", ".join(name for name, m in METHODS.items() if not m.needs_adapters)
             raise RequestError(
-                f"mode {mode!r} needs M2R2 adapters and this server has none for its model; start m2r2-server with "
-                f"--adapters DIR or a Hub repo id (modes without adapters: {free})",
-                "mode",
+                f"method {method!r} needs M2R2 adapters and this server has none for its model; start m2r2-server "
+                f"with --adapters DIR or a Hub repo id (methods without adapters: {free})",
+                "method",
             )
-        try:  # a request's mode against the server's KV options
-            check_kv(self.defaults.kv, mode)
-        except M2R2Error as e:
-            raise RequestError(str(e), "mode") from None
         job = Job(request)
         try:
             self.jobs.put_nowait(job)
@@ -233,8 +229,8 @@ class ModelWorker:
                     break
         finally:
             stream.close()  # also when cancelled: the cache keeps only what was computed, and knows it
-        mode = req.options.decode.mode
-        if not job.finish(Done(finish or "length", stats, mode)):
+        method = req.options.decode.method
+        if not job.finish(Done(finish or "length", stats, method)):
             log.info("request %s cancelled after %d tokens: its client hung up", req.id, stats.tokens)
             return
-        log.info("request %s: %s, %s", req.id, mode, stats.summary())
+        log.info("request %s: %s, %s", req.id, method, stats.summary())

@@ -73,13 +73,16 @@ def test_models_and_a_plain_answer_with_usage(server):
     client = _client(server)
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     r = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=20
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+        max_tokens=20,
+        extra_body={"method": "plain"},
     )
     assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
     u = r.usage
     assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 20
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.mode == "plain" and u.tokens_per_step == 1.0 and u.drafts_accepted == 0 and u.layers_skipped == 0
+    assert u.method == "plain" and u.tokens_per_step == 1.0 and u.drafts_accepted == 0 and u.layers_skipped == 0
     assert u.exit_layers == {"30": u.completion_tokens}
 
 
@@ -88,23 +91,23 @@ def test_every_mode_per_request_and_lossless_ones_agree(server):
     client = _client(server)
     question = "Explain in two sentences why the sky is blue."
     plain = _ask(client, question, max_tokens=40)
-    for mode in ("speculative", "layerskip", "lookup"):
+    for mode in ("speculative", "fast", "lookup"):
         r = client.chat.completions.create(
             model="smollm2",
             messages=[{"role": "user", "content": question}],
             max_tokens=40,
-            extra_body={"mode": mode, "draft": 3},
+            extra_body={"method": mode, "draft": 3},
         )
         assert r.choices[0].message.content == plain, mode
-        assert r.usage.mode == mode
+        assert r.usage.method == mode
         assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
     r = client.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": question}],
         max_tokens=40,
-        extra_body={"mode": "early-exit", "tau": 0.3},
+        extra_body={"method": "early-exit", "tau": 0.3},
     )
-    assert r.usage.mode == "early-exit" and r.usage.layers_skipped > 0  # tau 0.3 exits early often
+    assert r.usage.method == "early-exit" and r.usage.layers_skipped > 0  # tau 0.3 exits early often
     assert set(r.usage.exit_layers) - {"30"}
 
 
@@ -127,7 +130,7 @@ def test_streamed_text_equals_the_whole_answer(server):
         max_tokens=30,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"mode": "speculative"},
+        extra_body={"method": "speculative"},
     )
     pieces, usage, finish = [], None, None
     for c in stream:
@@ -137,7 +140,7 @@ def test_streamed_text_equals_the_whole_answer(server):
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
     assert "".join(pieces) == whole and len(pieces) > 3 and finish in ("stop", "length")
-    assert usage.mode == "speculative" and usage.completion_tokens > 3
+    assert usage.method == "speculative" and usage.completion_tokens > 3
 
 
 @pytest.mark.slow
@@ -182,12 +185,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "mode": "warp"}, 400, "mode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "method": "warp"}, 400, "method"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]}, 400, "stop"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "mode": "speculative", "gate": 7},
+        {"messages": [{"role": "user", "content": "hi"}], "method": "speculative", "gate": 7},
         400,
         None,
     ),
@@ -229,7 +232,7 @@ def test_client_leaving_mid_stream_cancels_and_the_next_answer_is_right(server):
         "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
         "max_tokens": 400,
         "stream": True,
-        "mode": "speculative",
+        "method": "speculative",
     }
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=300)
@@ -269,7 +272,7 @@ REPEAT = "Repeat this sentence exactly three times: The quick brown fox jumps ov
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
     proc = subprocess.Popen(
-        [EXE, "--port", "0", "--mode", "speculative", "--max-tokens", "48"], stderr=subprocess.PIPE, text=True
+        [EXE, "--port", "0", "--method", "speculative", "--max-tokens", "48"], stderr=subprocess.PIPE, text=True
     )
     try:
         line = proc.stderr.readline()
@@ -287,11 +290,11 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
             text += "".join(ch.delta.content or "" for ch in c.choices)
             usage = c.usage or usage
         assert "quick brown fox" in text
-        assert usage.mode == "speculative" and usage.completion_tokens > 5
+        assert usage.method == "speculative" and usage.completion_tokens > 5
         assert usage.drafts_accepted > 0 and usage.tokens_per_step > 1.0  # the repeated sentence is drafted
         assert sum(usage.exit_layers.values()) == usage.completion_tokens
         plain = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": REPEAT}], extra_body={"mode": "plain"}
+            model="smollm2", messages=[{"role": "user", "content": REPEAT}], extra_body={"method": "plain"}
         )
         assert plain.choices[0].message.content == text  # lossless
     finally:
@@ -303,7 +306,7 @@ def test_newcomer_starts_the_server_and_streams_speculative_answer_with_stats():
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_server_mode_without_adapters_fails_before_any_download(tmp_path):
     r = subprocess.run(
-        [EXE, "--model", "phi3", "--mode", "early-exit"],
+        [EXE, "--model", "phi3", "--method", "early-exit"],
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},

@@ -82,7 +82,7 @@ def _streamed(stream) -> tuple[str, list, list, str]:
 def test_logprobs_streamed_and_not_and_the_same_in_every_lossless_mode(server):
     client, answers = _client(server), {}
     for mode in ("plain", "speculative", "lookup"):
-        r = client.chat.completions.create(**REPEAT, extra_body={"mode": mode})
+        r = client.chat.completions.create(**REPEAT, extra_body={"method": mode})
         content = r.choices[0].logprobs.content
         assert len(content) == r.usage.completion_tokens and "".join(e.token for e in content).startswith(
             r.choices[0].message.content[:10]
@@ -102,7 +102,7 @@ def test_logprobs_streamed_and_not_and_the_same_in_every_lossless_mode(server):
 
 def test_early_exit_logprobs_name_their_layer(server):
     r = _client(server).chat.completions.create(
-        model="smollm2", messages=ASK, max_tokens=20, logprobs=True, extra_body={"mode": "early-exit", "tau": 0.3}
+        model="smollm2", messages=ASK, max_tokens=20, logprobs=True, extra_body={"method": "early-exit", "tau": 0.3}
     )
     layers = [e.model_extra["layer"] for e in r.choices[0].logprobs.content]
     assert max(layers) <= 30 and min(layers) < 30
@@ -117,7 +117,7 @@ def test_json_schema_answers_validate_streamed_and_not_in_every_mode(server):
             model="smollm2",
             messages=[{"role": "user", "content": BOOK_TEXT}],
             response_format=response_format,
-            extra_body={"mode": mode},
+            extra_body={"method": mode},
         )
         jsonschema.validate(json.loads(r.choices[0].message.content), BOOK)
         texts[mode] = r.choices[0].message.content
@@ -127,7 +127,7 @@ def test_json_schema_answers_validate_streamed_and_not_in_every_mode(server):
         messages=[{"role": "user", "content": BOOK_TEXT}],
         response_format=response_format,
         stream=True,
-        extra_body={"mode": "speculative"},
+        extra_body={"method": "speculative"},
     )
     text, _, _, finish = _streamed(stream)
     assert text == texts["plain"] and finish == "stop"
@@ -145,7 +145,7 @@ def test_a_required_tool_call_is_parsed_streamed_and_not(tool_server):
     client = _client(tool_server)
     for mode in ("plain", "speculative"):
         r = client.chat.completions.create(
-            model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", extra_body={"mode": mode}
+            model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", extra_body={"method": mode}
         )
         (call,) = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and call.type == "function"

@@ -217,7 +217,7 @@ def test_max_tokens_past_the_context_is_clamped_and_says_length(lm, mode, stream
     prompt = len(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     with running(lm, context=prompt + 12) as srv:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", api_key="x", max_retries=0)
-        kw = dict(model="smollm2", messages=messages, max_tokens=100_000, extra_body={"mode": mode})
+        kw = dict(model="smollm2", messages=messages, max_tokens=100_000, extra_body={"method": mode})
         if stream:
             chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def server(lm):
-    flags = ["--mode", "speculative", "--max-tokens", "40"]
+    flags = ["--method", "speculative", "--max-tokens", "40"]
     defaults = DecodingOptions.from_values(vars(build_parser().parse_args(flags)))
     worker = ModelWorker(lambda: lm, packaged_adapters("smollm2"), defaults, max_queue=16)
     worker.start()
