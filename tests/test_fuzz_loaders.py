@@ -231,3 +231,15 @@ def test_a_gguf_whose_metadata_is_not_utf8_is_one_line(ggufs, tmp_path):
     with pytest.raises(M2R2Error, match="truncated or corrupt .UnicodeDecodeError") as e:
         import_gguf(damaged, tmp_path / "out")
     one_line(e.value)
+
+
+@pytest.mark.parametrize("fields", [{"arla": True}, {"adapter_rank": 2**31}])
+def test_a_config_the_weights_do_not_match_is_one_line(base, adapters, tmp_path, fields):
+    """Found by the fuzzing: mlx's list of missing parameters came with newlines, and a rank past 2**31 raised
+    OverflowError from the array's constructor, a traceback."""
+    folder = shutil.copytree(adapters, tmp_path / "adapters")
+    config = json.loads((folder / "m2r2_config.json").read_text())
+    (folder / "m2r2_config.json").write_text(json.dumps({**config, **fields}))
+    with pytest.raises(M2R2Error, match="cannot be loaded") as e:
+        load_adapters(base, folder)
+    one_line(e.value)

@@ -135,15 +135,15 @@ def load_adapters(lm, folder: str | Path) -> M2R2Model:
         )
     if variant is not None:
         print(variant, file=sys.stderr)
-    m2r2 = M2R2Model(lm.model, cfg)
     path = folder / ADAPTERS_FILE
-    try:
+    try:  # a config whose sizes no array takes (a rank past 2**31) fails here too
+        m2r2 = M2R2Model(lm.model, cfg)
         weights = mx.load(str(path))
         m2r2.load_weights(list(weights.items()), strict=True)
     except Exception as e:
         raise M2R2Error(
-            f"{path} cannot be loaded ({type(e).__name__}: {str(e)[:120]}); it is missing, truncated or from another "
-            "config"
+            f"{path} cannot be loaded ({type(e).__name__}: {' '.join(str(e).split())[:120]}); it is missing, "
+            "truncated or from another config"
         ) from None
     mx.eval(m2r2.parameters())
     if cfg.exit_vocab:
