@@ -101,10 +101,10 @@ def agreement(lm, sequence: list[int], answer: list[int]) -> tuple[int, int]:
     """(answer tokens equal to the full model's greedy token on the same prefix, answer tokens checked): the
     quality of a lossy method's answer, teacher-forced (``sequence``: the cache's tokens after the answer, which
     end with the answer but its last token)."""
-    start = len(sequence) - (len(answer) - 1)  # the answer's second token is predicted at sequence[start - 1]
+    start = len(sequence) - (len(answer) - 1)  # where the answer begins: its first token predicts its second
     if len(answer) < 2:
         return 0, 0
-    logits = lm.model(mx.array(sequence)[None])[0, start - 1 :]
+    logits = lm.model(mx.array(sequence)[None])[0, start:]
     best = mx.argmax(logits, axis=-1).tolist()
     return sum(int(b == a) for b, a in zip(best, answer[1:])), len(answer) - 1
 
