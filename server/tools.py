@@ -111,29 +111,15 @@ class ToolFormat:
         return out
 
     def describe(self, tools: list[dict]) -> str:
-        """The system message that offers ``tools``, one line each (its signature and description), and says how
-        to call them."""
-        lines = [f"- {_signature(t['function'])}" for t in tools]
+        """The system message that offers ``tools`` (their function specs, as JSON: on the tool-call evaluation the
+        135M model picked the right tool for 15 of 25 requests so, 10 with one signature line per tool) and says
+        how to call them."""
+        specs = json.dumps([t["function"] for t in tools], ensure_ascii=False)
         example = json.dumps([{"name": "tool_name", "arguments": {"argument": "value"}}])
         return (
-            "You can call these tools:\n" + "\n".join(lines) + f"\nTo call tools, answer with {self.start}{example}"
-            f"{self.end}, one object per call; otherwise answer in plain text."
+            f"You can call these tools:\n<tools>{specs}</tools>\n\nTo call tools, answer only with "
+            f"{self.start}{example}{self.end}, one object per call. Otherwise answer in plain text."
         )
-
-
-def _signature(f: dict) -> str:
-    """``name(city: string, unit?: "celsius" | "fahrenheit"): description``, from a function spec."""
-    parameters = f.get("parameters") or {}
-    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
-    required = parameters.get("required") if isinstance(parameters.get("required"), list) else []
-    args = []
-    for name, p in properties.items():
-        p = p if isinstance(p, dict) else {}
-        kind = " | ".join(json.dumps(v) for v in p["enum"]) if isinstance(p.get("enum"), list) else p.get("type", "any")
-        note = f" ({p['description']})" if isinstance(p.get("description"), str) else ""
-        args.append(f"{name}{'' if name in required else '?'}: {kind}{note}")
-    description = f": {f['description']}" if isinstance(f.get("description"), str) else ""
-    return f"{f['name']}({', '.join(args)}){description}"
 
 
 PROMPTED = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, prompted=True)
