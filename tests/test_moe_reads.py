@@ -97,6 +97,28 @@ def test_a_load_the_pass_waits_on_goes_ahead_and_a_cancelled_prefetch_is_never_r
         loader.close()
 
 
+def test_finished_prefetches_never_hold_the_buffers_loads_on_demand_need(exported):
+    """Finished reads keep their buffers until the pass lands them, after its wait: were prefetches to take every
+    buffer, a load on demand would wait for a buffer only the waiting pass can free."""
+    _, store, _ = exported
+    loader = DiskLoader(store, workers=2, buffers=3, reserve=2)  # one buffer for prefetches, two kept for demand
+    try:
+        loader.prefetch(0, 3, [0, 1, 2, 3, 4], named={0, 1, 2, 3, 4})
+        while loader.reads < 1:  # one prefetch read; the others wait for the one buffer it holds
+            pass
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(loader.fetch(4, [6, 7])), daemon=True)
+        waiter.start()
+        waiter.join(timeout=10)
+        assert done, "a load on demand waited on buffers held by finished prefetches"
+        arrived, _ = done[0]
+        assert {r.key for r in arrived} >= {(4, 6), (4, 7)} and loader.count(3) == 4  # four prefetches still queued
+        for read in arrived:
+            loader.release(read)
+    finally:
+        loader.close()
+
+
 def _write_keeping_mtime(path: Path, data: bytes) -> None:
     """Alter a file as bit rot does: same size and mtime, so only the store's own checks can tell."""
     st = path.stat()

@@ -41,8 +41,8 @@ __all__ = ["ExpertCache", "IOConfig", "Mode", "parse_budget", "resolve_slots"]
 @dataclass(frozen=True)
 class IOConfig:
     """How the wall clock's loader reads: ``io`` "direct" (around the page cache) or "cached" (through it);
-    ``workers`` reads in flight at most; ``buffers`` aligned read buffers (None: one per slot of the largest layer
-    plus one per worker)."""
+    ``workers`` reads in flight at most; ``buffers`` aligned read buffers (None: one per slot of the largest layer,
+    kept for loads on demand, plus one per worker; at least one more than the slots)."""
 
     io: str = "direct"
     workers: int = 4
@@ -80,8 +80,9 @@ class ExpertCache:
         if isinstance(self.clock, DeviceClock):
             self.loader: Loader = DeviceLoader(store, self.clock, device_scale)
         else:
-            buffers = io.buffers or max(self.residency.slots_per_layer.values()) + io.workers
-            self.loader = DiskLoader(store, io=io.io, workers=io.workers, buffers=buffers)
+            slots = max(self.residency.slots_per_layer.values())  # the most one wait for loads can ask for
+            buffers = max(io.buffers or slots + io.workers, slots + 1)
+            self.loader = DiskLoader(store, io=io.io, workers=io.workers, buffers=buffers, reserve=slots)
         self.tracer = tracer
         self.routers: dict[int, Callable[[mx.array], mx.array]] = {}  # filled by offload_experts
         self.scorers: dict[int, Callable[[mx.array], mx.array]] = {}  # x -> router probabilities (blocks.py)

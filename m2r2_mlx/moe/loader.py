@@ -167,13 +167,17 @@ class _Queue:
 
 
 class DiskLoader:
-    """Reads from the store's files on ``workers`` threads into ``buffers`` aligned buffers (module docstring)."""
+    """Reads from the store's files on ``workers`` threads into ``buffers`` aligned buffers (module docstring), of
+    which ``reserve`` only loads on demand may take: a finished read holds its buffer until the pass lands it, after
+    its wait, so prefetches must leave room for every load one wait can ask for (a layer's slots)."""
 
     IDLE_S = 2.0  # a reader thread with nothing to read for this long ends (the next read starts it again)
 
-    def __init__(self, store: ExpertStore, *, io: str = "direct", workers: int = 4, buffers: int = 8):
+    def __init__(self, store: ExpertStore, *, io: str = "direct", workers: int = 4, buffers: int = 8, reserve: int = 0):
+        if not 0 <= reserve < buffers:
+            raise ValueError(f"{reserve} buffers kept for loads on demand leave none of {buffers} for prefetches")
         self.reader = ExpertReader(store, io)
-        self._buffers = max(buffers, 1)
+        self._buffers, self._reserve = buffers, reserve
         self._free = [Buffer(self.reader.span_bytes) for _ in range(self._buffers)]
         self._queue = _Queue()
         self._cond = threading.Condition()
@@ -272,6 +276,11 @@ class DiskLoader:
         self._free.clear()
         self.reader.close()
 
+    def _startable(self) -> bool:
+        """Whether the next queued read may take a buffer now (called with the lock held)."""
+        read = self._queue.peek()
+        return read is not None and len(self._free) > (0 if read.demand else self._reserve)
+
     def _start_readers(self) -> None:
         """Reader threads up to ``workers`` while reads are queued (called with the lock held)."""
         self._threads = [t for t in self._threads if t.is_alive()]
@@ -284,7 +293,7 @@ class DiskLoader:
         me = threading.current_thread()
         while True:
             with self._cond:
-                ready = lambda: self._closed or (self._free and self._queue.peek() is not None)  # noqa: E731
+                ready = lambda: self._closed or self._startable()  # noqa: E731
                 if not self._cond.wait_for(ready, timeout=self.IDLE_S) or self._closed:
                     if me in self._threads:
                         self._threads.remove(me)
