@@ -205,6 +205,20 @@ def add_options(parser, skip: tuple[str, ...] = ()) -> None:
             )
 
 
+def markdown_table() -> str:
+    """The options as docs/usage.md lists them: flags, request fields, default and meaning, each read from this
+    table and the configs (tests/test_options.py holds the page to it)."""
+    lines = ["| option | request field | default | meaning |", "|---|---|---|---|"]
+    for o in OPTIONS:
+        default = o.default
+        shown = "-" if default is None else "off" if default is False else default
+        shown = f"{shown:g}" if isinstance(shown, float) else shown
+        fields = ", ".join(f"`{f}`" for f in o.fields) or "-"
+        flags = ", ".join(f"`{f}`" for f in o.flags)
+        lines.append(f"| {flags} | {fields} | {shown} | {o.help} |")
+    return "\n".join(lines)
+
+
 def flag_name(o: Option) -> str:
     return o.flag
 
