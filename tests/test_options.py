@@ -106,3 +106,14 @@ def test_every_command_lists_the_same_methods_and_no_drafter_or_planner(command)
     if command != "m2r2-bench":
         method = next(a for a in parser._actions if a.dest == "method")
         assert list(method.choices) == list(METHODS)
+
+
+def test_the_usage_page_lists_the_options_as_the_table_does():
+    """docs/usage.md's options table is the configs' and the options table's (regenerate it with
+    m2r2_mlx.decoding.options.markdown_table() after changing either)."""
+    from m2r2_mlx.decoding.options import markdown_table
+
+    page = (ROOT / "docs" / "usage.md").read_text()
+    start = page.index("<!-- options table")
+    table = page[page.index("\n", start) + 1 : page.index("<!-- end of the options table -->")].strip()
+    assert table == markdown_table()
