@@ -42,7 +42,7 @@ from .moe_bench_report import write_report
 from .moe_rows import BOUNDS, ORACLE_LOOKAHEAD, ROWS, BenchRun, measure
 
 PREDICTED = tuple(name for name in ROWS if name != "none")  # on-demand loading is the "lru" row
-METHODS = ("resident", "lru", *PREDICTED, *BOUNDS)
+MOE_METHODS = ("resident", "lru", *PREDICTED, *BOUNDS)
 DEFAULT_METHODS = ("resident", "lru", "pregating-planned", "lookahead", "belady", "oracle")
 LABELS = {
     "resident": "all resident",
@@ -74,9 +74,9 @@ class MoEBenchConfig:
     build: BenchModelBuild | None = None  # the benchmark model is missing: build it first (prompts come with it)
 
     def __post_init__(self):
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m not in MOE_METHODS]
         if bad:
-            raise M2R2Error(f"unknown MoE method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
+            raise M2R2Error(f"unknown MoE method(s) {', '.join(bad)}; choose from {', '.join(MOE_METHODS)}")
         if self.profile != "here":
             get_profile(self.profile)  # an unknown profile is one line
         if self.clock is not None and self.clock not in CLOCKS:
@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        type=method_list(METHODS),
-        help=f"comma-separated, of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}; resident always "
+        type=method_list(MOE_METHODS),
+        help=f"comma-separated, of {', '.join(MOE_METHODS)} (default: {','.join(DEFAULT_METHODS)}; resident always "
         "runs: it is the token reference)",
     )
     p.add_argument(

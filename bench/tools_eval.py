@@ -30,7 +30,7 @@ import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS on Linux before mlx.cor
 from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.core.hub import packaged_adapters
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
-from m2r2_mlx.decoding.methods import make_decoder
+from m2r2_mlx.decoding.methods import METHODS, make_decoder
 from m2r2_mlx.decoding.options import DecodingOptions
 from m2r2_mlx.decoding.prompt_cache import PromptCache
 from m2r2_mlx.decoding.stats import AnswerStats
@@ -46,7 +46,6 @@ from m2r2_server.protocol import parse_request
 from m2r2_server.tools import ToolCallSplitter, ToolFormat
 
 CASES = Path(__file__).resolve().parent / "data" / "tool_calls.json"
-METHODS = ("plain", "speculative", "lookup", "fast", "early-exit")
 DEFAULT_METHODS = "plain,speculative,lookup"
 LOSSLESS = ("plain", "speculative", "lookup", "fast")
 CHOICES = ("required", "auto")

@@ -145,11 +145,13 @@ def test_the_namespace_stops_at_main():
     assert not wrong, "functions taking the argparse Namespace:\n" + "\n".join(wrong)
 
 
-# each registry: the module that holds it, the class its entries are, and the name of the registry itself
+# each registry: the module that holds it, the class its entries are, and the name of the registry itself; the
+# bench keeps its baselines and controls (which users never pick) in one module of its own, under another name
 REGISTRIES = {
     "Method": ("m2r2_mlx/decoding/methods.py", "METHODS"),
     "PredictorEntry": ("m2r2_mlx/moe/predictors.py", "PREDICTORS"),
 }
+BASELINES = {"PredictorEntry": "bench/moe_controls.py"}
 
 
 @pytest.mark.parametrize("entry", sorted(REGISTRIES))
@@ -161,8 +163,10 @@ def test_registries_are_filled_in_one_place(entry):
     for path in sources(APP_DIRS + ("experiments",)):
         if path.relative_to(ROOT).as_posix() == home:
             continue
+        baselines = path.relative_to(ROOT).as_posix() == BASELINES.get(entry)
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == entry:
+            made = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == entry
+            if made and not baselines:
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} makes a {entry}")
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from m2r2_bench.moe_bench import METHODS, MoEBenchConfig, numbers
+from m2r2_bench.moe_bench import MOE_METHODS, MoEBenchConfig, numbers
 from m2r2_bench.moe_rows import greedy
 from tests.tiny import tiny_model
 
@@ -83,13 +83,13 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     out = tmp_path / "out"
     cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
     cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2"]
-    cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--methods", ",".join(METHODS), "--out", str(out)]
+    cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--methods", ",".join(MOE_METHODS), "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     run, *rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert run["run"]["clock"] == "wall" and run["run"]["disk"]["gbps"] > 0 and run["command"].startswith(EXE)
     methods = {(row["method"], row["budget"]) for row in rows}
-    assert methods == {("resident", 100.0)} | {(m, b) for m in METHODS[1:] for b in (50.0, 25.0)}
+    assert methods == {("resident", 100.0)} | {(m, b) for m in MOE_METHODS[1:] for b in (50.0, 25.0)}
     assert all(row["same_as_resident"] and row["tokens_per_s"] > 0 for row in rows)
     lru, belady, oracle = ({r["method"]: r for r in rows if r["budget"] == 25.0}[m] for m in BOUNDS3)
     assert belady["hit_rate"] >= lru["hit_rate"]  # the offline optimum on demand

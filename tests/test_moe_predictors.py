@@ -10,7 +10,7 @@ from m2r2_mlx.moe.serve import offload_with_predictor, serve_with_budget
 
 import pytest
 
-from m2r2_bench.moe_bench import LABELS, METHODS
+from m2r2_bench.moe_bench import LABELS, MOE_METHODS
 from m2r2_bench.moe_controls import CONTROLS
 from m2r2_bench.moe_rows import ROWS, greedy
 from tests.test_moe_ahead_of_time import PROMPT, _m2r2
@@ -98,5 +98,5 @@ def test_fused_rows_refuse_lora_adapters():
 def test_the_product_registry_holds_what_a_user_runs_and_the_bench_adds_its_controls():
     assert set(PREDICTORS) == {"none", "pregating", "pregating-planned", "lookahead", "fast", "fast-fused"}
     assert not set(CONTROLS) & set(PREDICTORS)
-    assert METHODS == ("resident", "lru", *[n for n in ROWS if n != "none"], "belady", "oracle")
-    assert set(LABELS) == set(METHODS)
+    assert MOE_METHODS == ("resident", "lru", *[n for n in ROWS if n != "none"], "belady", "oracle")
+    assert set(LABELS) == set(MOE_METHODS)

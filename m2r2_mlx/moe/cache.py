@@ -26,7 +26,8 @@ import numpy as np
 from ..tracing import NO_TRACE, Tracer
 from .budget import human, parse_budget, resolve_slots
 from .clock import Clock, DeviceClock, WallClock
-from .loader import DeviceLoader, DiskLoader, Loader, Read
+from .device_loader import DeviceLoader
+from .loader import DiskLoader, Loader, Read
 from .residency import PolicyFactory, Residency
 from .stats import CacheStats, Ledger
 from .store import ExpertStore

@@ -10,12 +10,8 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import M2R2Error
-from ..tracing import NO_TRACE, Tracer
 from .blocks import expert_params, module_path, moe_blocks, router, router_scores
-from .cache import ExpertCache, IOConfig
-from .clock import Clock
-from .planner import PrefetchPlanner
-from .residency import PolicyFactory
+from .cache import ExpertCache
 from .store import ExpertStore, mlx_dtype
 
 
@@ -92,20 +88,9 @@ def _check_matches(store: ExpertStore, layer: int, prefix: str, params: dict[str
         )
 
 
-def offload_experts(
-    model,
-    store: ExpertStore | str | Path,
-    budget: float | int | str = 1.0,
-    *,
-    policy: str | PolicyFactory = "lru",
-    clock: Clock | None = None,
-    planner: PrefetchPlanner | None = None,
-    io: IOConfig = IOConfig(),
-    device_scale: float = 1.0,
-    tracer: Tracer = NO_TRACE,
-) -> ExpertCache:
-    """Serve every MoE layer's experts from ``store`` through an ExpertCache within ``budget`` (its arguments:
-    cache.py).
+def offload_experts(model, store: ExpertStore | str | Path, budget: float | int | str = 1.0, **cache) -> ExpertCache:
+    """Serve every MoE layer's experts from ``store`` through an ExpertCache within ``budget``; ``cache``: the
+    ExpertCache's keyword arguments (policy, clock, planner, io, device_scale, tracer: cache.py).
 
     The model's own expert tensors are dropped (their memory is freed once nothing else holds
     them); the routers stay in place and are also reachable as ``cache.routers[layer]``.
@@ -122,9 +107,7 @@ def offload_experts(
         )
     for i, block in blocks:
         _check_matches(store, i, module_path(model, block.switch_mlp), expert_params(block.switch_mlp))
-    cache = ExpertCache(
-        store, budget, policy=policy, clock=clock, planner=planner, io=io, device_scale=device_scale, tracer=tracer
-    )
+    cache = ExpertCache(store, budget, **cache)
     for i, block in blocks:
         inner = block.switch_mlp
         inner.update(tree_unflatten(list(cache.slots[i].items())))  # the slot tensors themselves, shared

@@ -95,13 +95,10 @@ class CacheStats:
 
     def add(self, other: CacheStats) -> None:
         """Count ``other``'s counters in these too: several runs (each cache.reset() zeroes the cache's) as one."""
-        for f in fields(self):
-            if f.name != "layers":
-                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        vars(self).update(_summed(self, other, skip="layers"))
         for l, theirs in other.layers.items():
             mine = self.layer(l)
-            for f in fields(LayerStats):
-                setattr(mine, f.name, getattr(mine, f.name) + getattr(theirs, f.name))
+            vars(mine).update(_summed(mine, theirs))
 
     def reset(self) -> None:
         for f in fields(self):
@@ -210,3 +207,8 @@ class Ledger:
             unused.clear()
         if self.trace is not None:
             self.trace = {}
+
+
+def _summed(mine, theirs, skip: str = "") -> dict:
+    """Each counter field of two stats of one kind, added."""
+    return {f.name: getattr(mine, f.name) + getattr(theirs, f.name) for f in fields(mine) if f.name != skip}
