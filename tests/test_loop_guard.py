@@ -37,15 +37,16 @@ def _first_refusal(tok, text: str) -> str | None:
 
 
 LOOPS = {  # a looping answer, and where the guard stops it: just before the separator of the next copy
-    '{"a": ["Lawn", "Lawn", "Lawn", "Lawn", "Lawn"]}': '{"a": ["Lawn", "Lawn", "Lawn',
+    '{"a": ["Lawn", "Lawn", "Lawn", "Lawn", "Lawn"]}': '{"a": ["Lawn", "Lawn',
     '{"a": ["x", "y", "x", "y", "x", "y", "x", "y"]}': '{"a": ["x", "y", "x", "y", "x", "y',
-    '{"a": [{"k": 1}, {"k": 1}, {"k": 1}, {"k": 1}]}': '{"a": [{"k": 1}, {"k": 1}, {"k": 1',
+    '{"a": [{"k": 1}, {"k": 1}, {"k": 1}, {"k": 1}]}': '{"a": [{"k": 1}, {"k": 1',
     "[" + ", ".join(["0"] * 12) + "]": "[" + ", ".join(["0"] * LITERAL_REPEATS),
     '{"a": "Bakery_Bakery_Bakery_Bakery_Bakery_Bakery_Bakery_"}': '{"a": "Bakery_Bakery_Bakery_Bakery_Bakery',
-    '{"a": [["p", "q"], ["p", "q"], ["p", "q"], ["p", "q"]]}': '{"a": [["p", "q"], ["p", "q"], ["p", "q',  # '"],' next
+    '{"a": [["p", "q"], ["p", "q"], ["p", "q"], ["p", "q"]]}': '{"a": [["p", "q"], ["p", "q',  # '"],' next
+    '{"price": 118.000000000000000000001}': '{"price": 118.000000000000',
 }
 FINE = [  # answers that do not loop: never a refusal
-    '{"a": ["Lawn", "Lawn", "Lawn"], "b": ["Lawn", "Lawn", "Lawn"]}',
+    '{"a": ["Lawn", "Lawn"], "b": ["Lawn", "Lawn"], "big": 1000000000000, "pi": 3.14159265358979}',
     '{"a": ["x", "y", "x", "y", "z"], "n": [0, 0, 0, 0, 1, 0, 0], "c": "2024-01-01"}',
     '{"text": "The quick brown fox jumps over the lazy dog, then again.", "laugh": "ha ha ha ha"}',
     'Let me see [1, 1] and "quoted" text first {"a": [1, 2, 3]}',
@@ -55,7 +56,7 @@ FINE = [  # answers that do not loop: never a refusal
 @pytest.mark.parametrize("text", LOOPS)
 def test_the_guard_stops_a_loop_where_its_next_copy_would_begin(tok, text):
     assert _first_refusal(tok, text) == LOOPS[text]
-    assert REPEATS == 3
+    assert REPEATS == 2
 
 
 @pytest.mark.parametrize("text", FINE)
@@ -64,10 +65,10 @@ def test_answers_that_do_not_loop_are_never_refused(tok, text):
 
 
 def test_the_guard_yields_to_the_grammar_and_follows_rejected_drafts(lm, tok):
-    """After three equal items the separator is refused, unless the grammar allows nothing else (minItems 5).
+    """After two equal items the separator is refused, unless the grammar allows nothing else (minItems 5).
     Rolled back, the guard forgets what it was told; with loop_guard=False there is none."""
     strings = {"type": "array", "items": {"type": "string"}}
-    ids, comma = tok.tokenize_str('["a", "a", "a"'), tok.tokenize_str(",")[0]
+    ids, comma = tok.tokenize_str('["a", "a"'), tok.tokenize_str(",")[0]
     guarded = Constraint(json_schema_grammar(strings), lm.tokenizer, VOCAB, start=0).at(ids)
     assert not guarded.allowed()[comma] and guarded.allowed()[tok.tokenize_str("]")[0]]
     five = Constraint(json_schema_grammar(strings | {"minItems": 5}), lm.tokenizer, VOCAB, start=0).at(ids)
