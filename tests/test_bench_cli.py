@@ -144,8 +144,8 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
             (["--methods", "plain,warp"], "unknown methods"),
             (["--methods", "mlx-lm-spec"], "needs --draft-model"),
             (["--questions", "/no/such.jsonl"], "not found"),
-            (["--temperature", "-1"], "--temperature must be 0"),
-            (["--top-p", "0"], "--top-p in (0, 1]"),
+            (["--temp", "-1"], "--temp must be 0"),
+            (["--top-p", "0"], "--top-p must be in (0, 1]"),
         ]
     ),
 )

@@ -24,7 +24,7 @@ def test_prompt_from_stdin():
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout and "smollm2 | plain" in r.stderr
+    assert "Paris" in r.stdout and "smollm2 | speculative" in r.stderr
 
 
 def test_bench_questions_ship_in_the_package_and_results_stay_local():

@@ -284,3 +284,18 @@ def test_synopses_read_as_each_alternative():
         ["--mode", "a", "--text", "FILE"],
         ["--mode", "b", "--text", "FILE"],
     ]
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_relative_link_resolves():
+    """A page deleted or moved breaks no link in the README or docs/."""
+    broken = [
+        f"{page.relative_to(ROOT)}:{number}: {target}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for target in LINK.findall(line)
+        if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists()
+    ]
+    assert not broken, "\n".join(broken)

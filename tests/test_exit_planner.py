@@ -19,7 +19,19 @@ def test_the_cost_fit_recovers_each_parts_seconds():
         x = np.array([rng.integers(6, 31), rng.integers(0, 40), rng.integers(0, 5), 1.0])
         fit.observe(x, float(x @ truth))
     for name, want in zip(("pass", "row", "check", "token"), truth):
-        assert fit.cost(name) == pytest.approx(want, rel=0.05), name
+        assert fit.cost(name) == pytest.approx(want, rel=0.1), name  # the prior holds a little
+
+
+def test_costs_the_tokens_cannot_tell_apart_keep_the_priors_split():
+    """Every token checks one gate (a check and a fixed cost always together): the data price the pair, and the
+    prior (no fixed cost) says which part is the check's, so the planner does not see checks as free."""
+    truth = np.array([0.002, 0.0005, 0.003, 0.001])
+    fit = StepFit([1.0, 1 / 3, 2.0, 0.0])
+    for i in range(400):
+        x = np.array([6 if i % 3 else 30, 6 + (24 if i % 3 == 1 else 0), 1, 1.0])
+        fit.observe(x, float(x @ truth))
+    assert fit.cost("check") + fit.cost("token") == pytest.approx(0.004, rel=0.1)
+    assert fit.cost("check") > 0.003
 
 
 def feed(planner: GatePlanner, exit_rate: float, costs: np.ndarray, tokens: int = 300, seed: int = 0) -> None:

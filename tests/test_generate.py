@@ -90,7 +90,7 @@ def test_compiled_steps_decode_as_the_eager_loop(lm):
     turns = ["Give me three tips for learning to cook.", "Now say them again, shorter."]
     answers = {}
     for compiled in (False, True):
-        chat = ChatSession(lm, decoder=make_decoder(lm, DecodeConfig(compile=compiled)))
+        chat = ChatSession(lm, decoder=make_decoder(lm, DecodeConfig("plain", compile=compiled)))
         stream = chat.send("Name a colour.", GenerationConfig(20))
         next(stream), next(stream)
         stream.close()  # cut short: the cache must still hold exactly what was fed

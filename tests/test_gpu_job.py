@@ -80,7 +80,7 @@ def test_gpu_job_rehearsal_on_the_cpu(lm, tmp_path):
     assert len(manifest["parts"]) == 2 and all(p["size"] <= 60 << 20 for p in manifest["parts"])
     assert (run / "base.gguf").stat().st_size == manifest["size"]
     log = (run / "job.log").read_text()
-    assert "every part and the whole match their sha256" in log and "gate L6: naive exit" in log
+    assert "every part and the whole match their sha256" in log and "gate L6: layerskip" in log
     assert len((run / "magpie.jsonl").read_text().splitlines()) == 2
     answers = [json.loads(line) for line in (run / "data" / "distilled.jsonl").read_text().splitlines()]
     assert len(answers) >= 5 and all(1 <= len(a["answer"]) <= 8 for a in answers)

@@ -121,6 +121,9 @@ def test_a_tool_result_fed_back_gets_an_answer(client):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'},
     ]
     r = client.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], tool_choice="none")
-    assert r.choices[0].message.content and r.usage.prompt_tokens > first.usage.prompt_tokens
+    bare = client.chat.completions.create(  # "none" leaves the tools out of the prompt: the history is what grew
+        model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=1
+    )
+    assert r.choices[0].message.content and r.usage.prompt_tokens > bare.usage.prompt_tokens
     r = client.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER])  # auto: either
     assert r.choices[0].message.content or _valid(r.choices[0].message.tool_calls)

@@ -43,3 +43,16 @@ def test_the_first_measurements_price_every_size():
     assert math.isclose(costs.ratio(2), 1.5) and math.isclose(costs.ratio(8), 3.0)
     assert math.isclose(costs.ratio(5), 2.25) and math.isclose(costs.draft_cost(), 0.010)
     assert math.isclose(costs.ratio(1), 1.0) and costs.ratio(16) >= costs.ratio(8)  # never falling beyond
+
+
+def test_steps_timed_before_any_plain_step_wait_for_one():
+    """A conversation that opens with drafting (a copied passage) times verifications before any plain step: they
+    are priced against the first plain step timed, not a guessed one (a fast device would read every verification
+    as free, a slow one as dear, for a whole window of samples)."""
+    costs = StepCosts(draft_fraction=0.2)
+    for _ in range(3):
+        costs.observe_verify(4, 0.0135)  # a device whose plain step is 5.9 ms: verifying 4 positions is 2.29 of it
+        costs.observe_draft(0.0015)
+    assert not costs.samples and 1.0 < costs.ratio(4) < 1.2  # the prior curve until a plain step is timed
+    costs.observe_plain(0.0059)
+    assert math.isclose(costs.ratio(4), 0.0135 / 0.0059) and math.isclose(costs.draft_cost(), 0.0015)

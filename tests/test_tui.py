@@ -107,7 +107,7 @@ def test_save_and_load_commands(lm, tmp_path):
 @pytest.mark.slow
 def test_modes_switch_live_and_keep_the_conversation(lm):
     async def run():
-        app = ChatApp(_setup("--max-tokens", "24"), lm=lm)
+        app = ChatApp(_setup("--max-tokens", "24", "--method", "plain"), lm=lm)
         async with app.run_test(size=(120, 36)) as pilot:
             await _ask(pilot, app, "What is the capital of France?")
             plain_answer = app.session.last_answer
@@ -129,8 +129,8 @@ def test_modes_switch_live_and_keep_the_conversation(lm):
             await pilot.pause(0.3)
             assert "L30" in str(app.query_one("#hist", Static).render())
             assert "early-exit" in str(app.query_one("#stats", Static).render())
-            await _ask_command(pilot, app, "/mode warp")
-            assert any("unknown mode" in str(w.render()) for w in app.query(".notice").results(Static))
+            await _ask_command(pilot, app, "/method warp")
+            assert any("unknown method" in str(w.render()) for w in app.query(".notice").results(Static))
             assert [m["role"] for m in app.session.messages] == ["user", "assistant"] * 2
             assert plain_answer == app.session.messages[1]["content"]
 

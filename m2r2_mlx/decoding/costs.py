@@ -46,6 +46,7 @@ class StepCosts:
         self.plains: deque = deque(maxlen=window)  # seconds
         self.samples: dict[int, deque] = {}  # positions -> plain steps
         self.drafts: deque = deque(maxlen=window)  # plain steps
+        self.pending: list = []  # samples timed before the first plain step, waiting for it
         self._memo: dict = {}
 
     def observe(self, outcome: Outcome) -> None:
@@ -60,16 +61,27 @@ class StepCosts:
 
     def observe_plain(self, seconds: float) -> None:
         self.plains.append(seconds)
+        pending, self.pending = self.pending, []
+        for record in pending:  # timed before the first plain step: priced against it now
+            record(seconds)
         self._memo.clear()
 
     def observe_verify(self, n: int, seconds: float) -> None:
         """A verification step of ``n`` positions (drafting excluded), as plain steps of this moment."""
-        ratio = max(seconds / self.plain_seconds(), 1.0)
-        self.samples.setdefault(n, deque(maxlen=self.window)).append(ratio)
-        self._memo.clear()
+        self._priced(
+            lambda ratio: self.samples.setdefault(n, deque(maxlen=self.window)).append(max(ratio, 1.0)), seconds
+        )
 
     def observe_draft(self, seconds_per_step: float) -> None:
-        self.drafts.append(seconds_per_step / self.plain_seconds())
+        self._priced(self.drafts.append, seconds_per_step)
+
+    def _priced(self, record, seconds: float) -> None:
+        """``record(seconds in plain steps)``. Before a plain step is timed the ratio is unknown, and a guessed plain
+        step would fix a wrong ratio for a whole window of samples, so the sample waits for the first one."""
+        if not self.plains:
+            self.pending = [*self.pending[-4 * self.window :], lambda plain: record(seconds / plain)]
+            return
+        record(seconds / self.plain_seconds())
         self._memo.clear()
 
     @_memoized

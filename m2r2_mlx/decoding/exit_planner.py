@@ -8,7 +8,8 @@ of the next token's passes. So gate j is checked while
 
 with p_j the exit rate at gate j (decaying Beta posteriors: estimates.Rates, as the speculative planner's acceptance
 rates) and ``pass``, ``row`` and ``check`` the seconds of a layer pass, of one more row in a pass and of a check,
-fitted to every token's measured time by least squares that forget (``StepFit``). A gate left unchecked drifts back
+fitted to every token's measured time by least squares that forget, held to a prior's proportions where the
+tokens cannot tell two costs apart (``StepFit``). A gate left unchecked drifts back
 to its prior and is tried again, so a text where exits start to pay turns its gates back on. Where no gate pays,
 every token runs the whole model: plain decoding's work.
 """
@@ -25,23 +26,30 @@ FEATURES = ("pass", "row", "check", "token")  # what a token's time is fitted on
 
 
 class StepFit:
-    """Seconds per token as a linear function of what the token ran, by recursive least squares with forgetting
-    (each token's weight decays by ``forget`` per token), from ``prior`` (seconds of each feature) held with the
-    weight of ``strength`` tokens."""
+    """Seconds per token as a linear function of what the token ran: least squares over the tokens so far, each
+    token's weight decaying by ``forget`` per token, held to ``prior``'s proportions (at the measured scale) with
+    the weight of ``strength`` tokens in each feature. Decoding seldom varies the features apart (a checked token
+    runs its interval's rows and its check together), and without the prior such a fit may put a pair's cost on
+    either one of them; with it, what the tokens cannot tell apart keeps the prior's split."""
 
-    def __init__(self, prior: Sequence[float], strength: float = 4.0, forget: float = 0.99):
-        self.theta = np.asarray(prior, dtype=float)
-        self.P = np.eye(len(prior)) / strength * 1e2  # the prior's weight, relative to the data's scale
-        self.forget, self.seen = forget, 0
+    def __init__(self, prior: Sequence[float], strength: float = 2.0, forget: float = 0.99):
+        self.prior = np.asarray(prior, dtype=float)
+        self.strength, self.forget = strength, forget
+        k = len(prior)
+        self.xx, self.xy, self.weight = np.zeros((k, k)), np.zeros(k), 0.0
+        self.scale, self.seen = 1.0, 0
+        self.theta = self.prior.copy()
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
         x = np.asarray(x, dtype=float)
-        if self.seen == 0:  # the first token sets the scale: the prior's proportions, at its measured time
-            self.theta *= seconds / max(float(x @ self.theta), 1e-12)
-        Px = self.P @ x
-        gain = Px / (self.forget + x @ Px)
-        self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.P = (self.P - np.outer(gain, Px)) / self.forget
+        ratio = seconds / max(float(x @ self.prior), 1e-12)  # the prior's scale, as this token measures it
+        self.scale = ratio if self.seen == 0 else self.forget * self.scale + (1 - self.forget) * ratio
+        self.xx = self.forget * self.xx + np.outer(x, x)
+        self.xy = self.forget * self.xy + x * seconds
+        self.weight = self.forget * self.weight + 1.0
+        ridge = self.strength * np.maximum(np.diag(self.xx) / self.weight, 1e-9)  # a token's worth per feature
+        anchor = self.prior * self.scale
+        self.theta = np.linalg.solve(self.xx + np.diag(ridge), self.xy + ridge * anchor)
         self.seen += 1
 
     def cost(self, name: str) -> float:

@@ -147,7 +147,7 @@ class Constraint:
         self.tok = ll_tokenizer(tokenizer, vocab_size)
         self.matcher = llguidance.LLMatcher(self.tok, grammar)
         if self.matcher.is_error():
-            raise M2R2Error(f"the grammar cannot be used: {self.matcher.get_error()}")
+            raise M2R2Error(f"the grammar cannot be used: {_first_line(self.matcher.get_error())}")
         self.vocab_size, self.start = vocab_size, start
         self.tokens: list[int] = []  # the answer's tokens the matcher has consumed
         self._allowed: np.ndarray | None = None  # the mask after them, once computed
@@ -171,7 +171,9 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise M2R2Error(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise M2R2Error(
+                f"the grammar refused token {token}: {_first_line(self.matcher.get_error())} (a simpler schema may do)"
+            )
         self.tokens.append(int(token))
         if self.guard is not None:
             self.guard.push(self.tok.decode_bytes([int(token)]))
@@ -182,7 +184,7 @@ class Constraint:
         less those the loop guard refuses where it leaves any, computed once per position."""
         if self._allowed is None:
             if self.matcher.is_error():  # a resource limit hit: its mask would allow only the end, silently
-                raise M2R2Error(f"the grammar could not go on: {' '.join(self.matcher.get_error().split())[:300]}")
+                raise M2R2Error(f"the grammar could not go on: {_first_line(self.matcher.get_error())}")
             bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             allowed = bits[: self.vocab_size].astype(bool)
             refused = self.guard.refused() if self.guard is not None else None
@@ -214,3 +216,8 @@ class Constraint:
         if consumed:
             self.matcher.rollback(consumed)
         return self.tok.tokenize_bytes(text)[:limit] if text else []
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state and grammar it appends: one line, at most 300 characters."""
+    return " ".join(error.split("<state>")[0].split())[:300]
