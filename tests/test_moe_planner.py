@@ -48,7 +48,7 @@ def test_random_predictions_load_next_to_nothing_and_leave_lru_as_it_was(store, 
     # the hit rate is read at its mean: a guess or two may load while the first ones are scored, then none
     assert s.total("prefetch_loads") == planner.decisions["loaded"] <= 2
     assert (s.hits, s.misses) == (lru.hits, lru.misses)
-    assert s.bytes_moved <= lru.bytes_moved * 1.02
+    assert s.bytes_moved <= lru.bytes_moved + planner.decisions["loaded"] * store.expert_bytes()
     _, raw, _, _ = run(store, budget, ShuffledControl(seed=0))  # unplanned, the same guesses cost bytes
     assert raw.bytes_moved > lru.bytes_moved
     # and once they are seen not to pay, most layers are not even predicted (the predictor's own work saved)

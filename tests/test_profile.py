@@ -174,7 +174,9 @@ def test_early_exit_profiles_the_same_tokens():
 
 @pytest.mark.slow
 def test_cli_writes_report_trace_and_plot(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["m2r2-profile", "--tokens", "8", "--out", str(tmp_path), "-p", PROMPT])
+    monkeypatch.setattr(
+        sys, "argv", ["m2r2-profile", "--method", "plain", "--tokens", "8", "--out", str(tmp_path), "-p", PROMPT]
+    )
     with pytest.raises(SystemExit) as stop:
         cli.main()
     assert stop.value.code == 0
