@@ -40,7 +40,7 @@ TABLES = {
     "cpu": CostTable(
         "cpu",
         "this project's 2-core x86 CPU, SmolLM2-135M float32, OpenBLAS "
-        "(docs/verify_cost.md, docs/draft_calibration.md)",
+        "(experiments.verify_cost, experiments.draft_calibration)",
         0.0555,
         {2: 1.12, 3: 1.23, 4: 1.32, 6: 1.40, 8: 1.42, 16: 1.75},
         0.25,

@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--categories", default="all")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=Path("docs/draft_calibration.md"))
+    ap.add_argument("--out", type=Path, default=Path("build/draft_calibration.md"))
     return ap
 
 

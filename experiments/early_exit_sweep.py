@@ -18,7 +18,7 @@ setting, on Spec-Bench first turns (greedy):
 - ROUGE-L F1 of the whole answer against the full model's greedy answer;
 - decode tokens/s relative to plain decoding, measured in the same run.
 Beside them, the bound on any exit rule: a perfect rule on the plain answers (evaluate.oracle_exit_saving).
-Writes docs/early_exit.md and docs/early_exit.png.
+Writes early_exit.md and early_exit.png into --out (docs/early_exit.md cites the table).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--categories", default="mt_bench")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path("build/early_exit_sweep"))
     return ap
 
 

@@ -11,7 +11,7 @@ previous gate's). For each agreement level, the table gives the most exit-depth 
 saves while keeping at least that token agreement (best tau on a grid), beside the perfect exit
 rule, the bound on any rule. Teacher-forced: every token sees the full model's prefix, so this
 isolates the rule from the drift a lossy decode adds (the decode itself: experiments.early_exit_sweep).
-Writes docs/exit_policies.md.
+Writes exit_policies.md into --out.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--categories", default="all")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=96)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--out", type=Path, default=Path("build/exit_policies"))
     return ap
 
 

@@ -3,7 +3,7 @@
 For each library: how many schemas it compiles (the 20 extraction schemas of bench/data/extraction.jsonl and a
 set of harder JSON Schema features), the seconds a schema takes to compile for SmolLM2's 49,152-token vocabulary,
 and the microseconds per token to compute the next-token mask while following a valid answer (the plain answers
-of docs/structured/given/answers.jsonl, so each library walks the same tokens).
+of bench/results/structured/answers.jsonl, so each library walks the same tokens).
 Writes bench/results/grammar-libraries/results.md.
 
     pip install outlines-core xgrammar apache-tvm-ffi   # the two libraries m2r2 does not depend on
@@ -134,7 +134,7 @@ def main() -> None:
     vocab = int(lm.config["vocab_size"])
     prompts = [json.loads(line) for line in (ROOT / "bench/data/extraction.jsonl").read_text().splitlines()]
     answers = {}
-    for line in (ROOT / "docs/structured/given/answers.jsonl").read_text().splitlines():
+    for line in (ROOT / "bench/results/structured/answers.jsonl").read_text().splitlines():
         a = json.loads(line)
         if a["method"] == "plain" and a["valid"]:
             answers[a["id"]] = a["text"]

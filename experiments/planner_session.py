@@ -1,4 +1,4 @@
-"""A long-lived speculative engine across a session, beside a fresh engine per answer (docs/planner_session.md).
+"""A long-lived speculative engine across a session, beside a fresh engine per answer (docs/speculative.md cites it).
 
     python -m experiments.planner_session                      # novel answers, then answers that copy their prompt
     python -m experiments.planner_session --load-seconds 45    # with two busy loops during the first 45 s
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.planner_session", description=__doc__.split("\n")[0])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--load-seconds", type=float, default=0.0, help="two busy processes for this long at the start")
-    p.add_argument("--out", type=Path, default=Path("docs/planner_session.md"))
+    p.add_argument("--out", type=Path, default=Path("build/planner_session.md"))
     return p
 
 

@@ -6,7 +6,7 @@ x what happens to the draft below the threshold (dropped, or verified as the las
 Greedy, batch 1, one warm-up; prompts are Spec-Bench first turns (MT-Bench by default; evaluation only). Every
 setting and plain decoding run on each prompt before the next prompt. Per setting: decode tokens/s
 (summed tokens over summed time), speedup over plain in the same run, mean tokens per full-model
-step, and whether every output equals plain greedy's. Writes docs/speculative_sweep.md.
+step, and whether every output equals plain greedy's. Writes --out (a Markdown file).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--categories", default="mt_bench", help="Spec-Bench categories, 'mt_bench' or 'all'")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--out", type=Path, default=Path("docs/speculative_sweep.md"))
+    ap.add_argument("--out", type=Path, default=Path("build/speculative_sweep.md"))
     return ap
 
 

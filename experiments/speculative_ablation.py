@@ -1,5 +1,5 @@
 """The speculative engine with one adaptive piece switched off at a time, every variant in one run beside the full
-engine, prompt lookup alone, the fast stream alone and plain decoding (issue 39; docs/speculative.md "Ablation").
+engine, prompt lookup alone, the fast stream alone and plain decoding (docs/speculative.md, "Ablation").
 
     python -m experiments.speculative_ablation --questions bench/data/question.jsonl --limit 2 --out out/abl-sb
     python -m experiments.speculative_ablation --questions bench/data/heldout.jsonl --out out/abl-heldout

@@ -1,6 +1,6 @@
 """What a verification costs against a plain step, by width and context length, and how much of it is exp.
 
-    python -m experiments.verify_cost --out docs/verify_cost.md
+    python -m experiments.verify_cost --out build/verify_cost.md
 
 For each context length: the plain one-token step; a verification of 4, 8 and 16 positions (the forward over the
 draft, its positions then trimmed); and one layer's attention softmax at that width, timed against numpy's exp
