@@ -199,7 +199,7 @@ METHODS: dict[str, Method] = {
         Method(
             "speculative",
             "the default: prompt lookup and the M2R2 fast stream draft only where the measured costs say it pays, "
-            "so it runs at least as fast as plain and lookup, and faster where text repeats",
+            "so it decodes plainly on new text and about as fast as lookup where text repeats",
             SpeculativeRecipe(("lookup", "fast"), "cost"),
             max_draft=8,
             threshold=0.0,
