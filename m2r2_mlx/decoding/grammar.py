@@ -107,7 +107,7 @@ def json_schema_grammar(schema: dict | str, loop_guard: bool = True) -> Grammar:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise M2R2Error(f"the JSON schema cannot be read: {' '.join(str(e).split())[:300]}") from None
+        raise M2R2Error(f"the JSON schema cannot be read: {_first_line(str(e))}") from None
     return check_grammar(grammar, loop_guard=loop_guard)
 
 
@@ -119,7 +119,7 @@ def check_grammar(grammar: str, lark: bool = False, loop_guard: bool = True) -> 
     except (ValueError, TypeError, RuntimeError) as e:  # llguidance's own refusals of a malformed input
         error = str(e) or type(e).__name__
     if error:
-        raise M2R2Error(f"the grammar is not supported: {' '.join(error.split())[:300]}")
+        raise M2R2Error(f"the grammar is not supported: {_first_line(error)}")
     return Grammar(grammar, loop_guard)
 
 
