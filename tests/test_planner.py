@@ -196,3 +196,22 @@ def test_the_floor_holds_only_while_lookups_copies_pay():
         for token in (2, 3, 4):
             cheap.observe(Outcome(chain, 0, token, 0.050, plain=True))
     assert cheap.floor_gain > 0 and cheap.floor(lookup_chain()) == 4
+
+
+def test_a_copy_met_in_a_plain_stretch_turns_the_floor_on_once_it_covers_it():
+    """After new writing turned the floor off, a copy that starts in a plain stretch is scored as soon as it has
+    matched all the floor would verify (not at its end), once: the next step verifies the floor."""
+    planner = cost_planner(0.050, 0.060, 0.3)
+    planner.lookup_floor, planner.floor_gain = 3, -0.1
+    chain = Draft.root(1)
+    for t in (2, 3, 4, 5, 6, 7, 8):
+        chain.add(t, "lookup")
+    for token in (2, 3):
+        planner.observe(Outcome(chain, 0, token, 0.050, plain=True))
+    assert planner.floor_gain == -0.1  # two of the floor's three copies matched: not scored yet
+    planner.observe(Outcome(chain, 0, 4, 0.050, plain=True))
+    scored = planner.floor_gain
+    assert scored > 0 and planner.floor(lookup_chain()) == 4
+    for token in (5, 6):  # the chain goes on teaching the rates; the floor is not scored twice
+        planner.observe(Outcome(chain, 0, token, 0.050, plain=True))
+    assert planner.floor_gain == scored

@@ -56,7 +56,8 @@ class CostPlanner:
         self.model_kind = None if model is None else model.kind  # "fast" or "layerskip"
         self.costs, self.lookup_floor = costs, lookup_floor
         self.rates = Rates(strength=2.0, decay=0.995)
-        self.unverified: tuple[Draft, int] | None = None  # a plain stretch's proposals, and the position it reached
+        self.unverified: tuple[Draft, int, bool] | None = None  # a plain stretch's proposals, the position it
+        # reached, and whether the floor was scored on them
         self.floor_gain = 1.0  # the floor starts on: lookup's copies pay until they are seen not to
 
     @staticmethod
@@ -161,13 +162,17 @@ class CostPlanner:
     def score_unverified(self, proposals: Draft, token: int) -> None:
         """A plain step's ``token`` scores the free drafters' unverified ``proposals`` as verification would (a
         copied token is accepted where it equals the model's), following them while they match: a plain stretch
-        keeps teaching the rates, and ends where the text starts to repeat."""
-        draft, i = self.unverified or (proposals, 0)
+        keeps teaching the rates, and ends where the text starts to repeat. The floor is scored as soon as the
+        chain has matched all the floor would verify, so a copy that starts in a plain stretch turns it back on
+        without waiting for the copy's end."""
+        draft, i, scored = self.unverified or (proposals, 0, False)
         self.unverified = None
-        if i + 1 < len(draft):
-            hit = draft.tokens[i + 1] == token
-            self.tested(draft, i + 1, hit)
-            if hit and i + 2 < len(draft):
-                self.unverified = (draft, i + 1)
-            else:  # the chain is scored: what its floor would have gained
-                self.observe_floor(draft, i + 1 if hit else i)
+        if i + 1 >= len(draft):
+            return
+        hit = draft.tokens[i + 1] == token
+        self.tested(draft, i + 1, hit)
+        if not scored and (not hit or i + 1 >= self.floor(draft, copies=True) - 1 or i + 2 >= len(draft)):
+            self.observe_floor(draft, i + 1 if hit else i)  # what its floor would have gained
+            scored = True
+        if hit and i + 2 < len(draft):
+            self.unverified = (draft, i + 1, scored)
