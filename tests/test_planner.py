@@ -215,3 +215,26 @@ def test_a_copy_met_in_a_plain_stretch_turns_the_floor_on_once_it_covers_it():
     for token in (5, 6):  # the chain goes on teaching the rates; the floor is not scored twice
         planner.observe(Outcome(chain, 0, token, 0.050, plain=True))
     assert planner.floor_gain == scored
+
+
+def test_the_fast_stream_drafts_only_while_its_drafts_return_what_they_cost():
+    """Rates that say a fast draft pays do not keep it drafting where its drafts, every cost counted, gain
+    nothing in this conversation: it then drafts on every PROBE_EVERY-th step it would, and drafts again once a
+    probe's drafts pay."""
+    planner = cost_planner(0.050, 0.060, 0.9, draft=0.002)
+    assert planner.plan(lookup_chain(), request(limit=8)).draft is not None
+
+    def drafted(accepted: int) -> Outcome:
+        draft = lookup_chain()
+        for t in (5, 6, 7):
+            draft.add(t, "fast")
+        return Outcome(draft, accepted, 9, 0.065, draft_seconds=0.006, draft_steps=3)  # at the table's costs
+
+    for _ in range(30):  # the copy accepted, every fast draft rejected
+        planner.observe(drafted(3))
+    assert planner.fast_gain < 0
+    plans = [planner.plan(lookup_chain(), request(limit=8)) for _ in range(2 * CostPlanner.PROBE_EVERY)]
+    assert sum(p.draft is not None for p in plans) == 2 and all(p.keep == 4 for p in plans)
+    for _ in range(30):  # probes whose drafts were all accepted
+        planner.observe(drafted(6))
+    assert planner.fast_gain > 0 and planner.plan(lookup_chain(), request(limit=8)).draft is not None

@@ -4,8 +4,9 @@
 default, verifies what is expected to beat a plain step: the draft at position i is accepted with probability pi
 (the product of acceptance rates up to it, learnt per drafter and position); verifying n positions yields
 1 + sum(pi) tokens in c(n) seconds (costs.StepCosts), and the prefix with the most tokens per second is kept. The
-fast stream drafts only where its drafts pay for its draft steps. The arithmetic and the measurements that justify
-each piece: docs/speculative.md.
+fast stream drafts only where its drafts are expected to pay for its draft steps, and while what they returned
+in this conversation says they do (probing now and then while it does not). The arithmetic and the measurements
+that justify each piece: docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class CostPlanner:
     it) while verifying them pays in this conversation (``floor_gain``: what they gained, in plain steps, over the
     latest copies, verified or scored in plain stretches)."""
 
-    FLOOR_WEIGHT = 0.1  # each copy's weight in floor_gain: it follows the latest ten or so
+    FLOOR_WEIGHT = 0.1  # each copy's weight in floor_gain (each drafting step's in fast_gain): the latest ten or so
+    PROBE_EVERY = 16  # while the model drafter does not pay, every 16th step it would draft still drafts
 
     def __init__(self, drafters: list[Drafter], costs: StepCosts, lookup_floor: int = 0):
         self.priors = {d.kind: d.prior for d in drafters}
@@ -59,6 +61,8 @@ class CostPlanner:
         self.unverified: tuple[Draft, int, bool] | None = None  # a plain stretch's proposals, the position it
         # reached, and whether the floor was scored on them
         self.floor_gain = 1.0  # the floor starts on: lookup's copies pay until they are seen not to
+        self.fast_gain = 1.0  # the same for the model drafter's drafts, per drafting step
+        self.fast_waited = 0  # steps it sat out since it last drafted while it did not pay
 
     @staticmethod
     def keys(kind: str, position: int, match: LookupMatch | None = None) -> tuple:
@@ -139,7 +143,7 @@ class CostPlanner:
         if room <= 0 or self.model_kind is None or draft.tokens[-1] in request.eos_ids:
             return StepPlan(chosen.n)
         steps = self.draft_steps(chosen, room)
-        if not steps:
+        if not steps or not self.drafting_pays():
             return StepPlan(chosen.n)
         return StepPlan(chosen.n, replace(request, limit=chosen.n - 1 + steps, planned=True))
 
@@ -152,9 +156,32 @@ class CostPlanner:
             for i in range(1, min(outcome.accepted + 2, len(draft))):  # put to the test: up to the first rejected
                 self.tested(draft, i, i <= outcome.accepted)
             self.observe_floor(draft, outcome.accepted)
+            self.observe_drafting(outcome)
         if outcome.seconds is not None:
             self.costs.observe(outcome)
             self.rates.tick()
+
+    def drafting_pays(self) -> bool:
+        """The rates say a model draft pays; it drafts while its drafts gained in this conversation, and while they
+        did not, on every PROBE_EVERY-th such step, to find out when they pay again."""
+        if self.fast_gain > 0:
+            return True
+        self.fast_waited = (self.fast_waited + 1) % self.PROBE_EVERY
+        return self.fast_waited == 0
+
+    def observe_drafting(self, outcome: Outcome) -> None:
+        """What the step's model drafts gained, in plain steps: those accepted, less their draft steps and the
+        positions they added to the verification. The rates price a draft before it is made; this measures what
+        drafting returned, every cost included (the first draft pass over the kept prefix is dearer than the
+        next)."""
+        if not outcome.draft_steps or outcome.seconds is None or not self.costs.plains:
+            return  # not timed, or no plain step yet to price it against
+        draft, n = outcome.draft, len(outcome.draft)
+        drafted = [i for i in range(1, n) if draft.sources[i] == self.model_kind]
+        accepted = sum(i <= outcome.accepted for i in drafted)
+        spent = outcome.draft_seconds / self.costs.plain_seconds()
+        added = self.costs.ratio(n) - self.costs.ratio(n - len(drafted))
+        self.fast_gain += self.FLOOR_WEIGHT * (accepted - spent - added - self.fast_gain)
 
     def tested(self, draft: Draft, i: int, accepted: bool) -> None:
         self.rates.observe(self.keys(draft.sources[i], i, draft.lookup), accepted)
