@@ -62,7 +62,7 @@ class CostPlanner:
         # reached, and whether the floor was scored on them
         self.floor_gain = 1.0  # the floor starts on: lookup's copies pay until they are seen not to
         self.fast_gain = 1.0  # the same for the model drafter's drafts, per drafting step
-        self.fast_waited = 0  # steps it sat out since it last drafted while it did not pay
+        self.fast_waited = 0  # steps it sat out since it last drafted
 
     @staticmethod
     def keys(kind: str, position: int, match: LookupMatch | None = None) -> tuple:
@@ -164,17 +164,20 @@ class CostPlanner:
     def drafting_pays(self) -> bool:
         """The rates say a model draft pays; it drafts while its drafts gained in this conversation, and while they
         did not, on every PROBE_EVERY-th such step, to find out when they pay again."""
-        if self.fast_gain > 0:
-            return True
-        self.fast_waited = (self.fast_waited + 1) % self.PROBE_EVERY
-        return self.fast_waited == 0
+        if self.fast_gain > 0 or self.fast_waited >= self.PROBE_EVERY:
+            return True  # a probe stays due until a drafting step is observed (a plain stretch asks twice)
+        self.fast_waited += 1
+        return False
 
     def observe_drafting(self, outcome: Outcome) -> None:
         """What the step's model drafts gained, in plain steps: those accepted, less their draft steps and the
         positions they added to the verification. The rates price a draft before it is made; this measures what
         drafting returned, every cost included (the first draft pass over the kept prefix is dearer than the
         next)."""
-        if not outcome.draft_steps or outcome.seconds is None or not self.costs.plains:
+        if not outcome.draft_steps:
+            return
+        self.fast_waited = 0
+        if outcome.seconds is None or not self.costs.plains:
             return  # not timed, or no plain step yet to price it against
         draft, n = outcome.draft, len(outcome.draft)
         drafted = [i for i in range(1, n) if draft.sources[i] == self.model_kind]
