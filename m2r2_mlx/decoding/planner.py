@@ -49,7 +49,7 @@ class CostPlanner:
     it) while verifying them pays in this conversation (``floor_gain``: what they gained, in plain steps, over the
     latest copies, verified or scored in plain stretches)."""
 
-    FLOOR_WEIGHT = 0.1  # each copy's weight in floor_gain (each drafting step's in fast_gain): the latest ten or so
+    GAIN_WEIGHT = 0.1  # an observation's weight in floor_gain and fast_gain: they follow the latest ten or so
     PROBE_EVERY = 16  # while the model drafter does not pay, every 16th step it would draft still drafts
 
     def __init__(self, drafters: list[Drafter], costs: StepCosts, lookup_floor: int = 0):
@@ -104,7 +104,7 @@ class CostPlanner:
         if k <= 0:
             return
         gain = min(max(accepted - grammar, 0), k) - (self.costs.ratio(grammar + k + 1) - self.costs.ratio(grammar + 1))
-        self.floor_gain += self.FLOOR_WEIGHT * (gain - self.floor_gain)
+        self.floor_gain += self.GAIN_WEIGHT * (gain - self.floor_gain)
 
     def select(self, draft: Draft) -> Selection:
         """The prefix with the most tokens per second, or the floor where that is longer."""
@@ -184,7 +184,7 @@ class CostPlanner:
         accepted = sum(i <= outcome.accepted for i in drafted)
         spent = outcome.draft_seconds / self.costs.plain_seconds()
         added = self.costs.ratio(n) - self.costs.ratio(n - len(drafted))
-        self.fast_gain += self.FLOOR_WEIGHT * (accepted - spent - added - self.fast_gain)
+        self.fast_gain += self.GAIN_WEIGHT * (accepted - spent - added - self.fast_gain)
 
     def tested(self, draft: Draft, i: int, accepted: bool) -> None:
         self.rates.observe(self.keys(draft.sources[i], i, draft.lookup), accepted)
