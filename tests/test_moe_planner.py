@@ -45,8 +45,10 @@ def test_random_predictions_load_next_to_nothing_and_leave_lru_as_it_was(store, 
     planned_tokens, s, planner, _ = run(store, budget, ShuffledControl(seed=0), planned=True)
     assert tokens == planned_tokens == reference
     assert s.total("predicted") > 0 and planner.decisions["considered"] > 0
-    # the hit rate is read at its mean: a guess or two may load while the first ones are scored, then none
-    assert s.total("prefetch_loads") == planner.decisions["loaded"] <= 2
+    # the hit rate is read at its mean: at most one guess loads in each window the predictor runs (the governor's
+    # probes, whose number follows the wall clock's timings) before its miss is scored, then none
+    windows = planner.governor.windows["on"]
+    assert s.total("prefetch_loads") == planner.decisions["loaded"] <= windows <= N // 4
     assert (s.hits, s.misses) == (lru.hits, lru.misses)
     assert s.bytes_moved <= lru.bytes_moved + planner.decisions["loaded"] * store.expert_bytes()
     _, raw, _, _ = run(store, budget, ShuffledControl(seed=0))  # unplanned, the same guesses cost bytes
