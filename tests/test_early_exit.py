@@ -15,7 +15,7 @@ from mlx.utils import tree_map
 
 from experiments.exit_variants import exit_walker
 
-from .tiny import early_exit_generate, tiny_model
+from .tiny import EosAs, early_exit_generate, tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [64, 2, 88, 11], [9, 9, 30, 31, 32, 33, 34, 35]]
 
@@ -264,3 +264,20 @@ def test_gates_off_decode_as_plain(lm, tiny_m2r2):
     )
     assert [e.token for e in events] == plain
     assert not any(planner.checked())
+    # once no gate is checked, each token is one forward of the whole model, queued before the previous is read
+    L = tiny_m2r2.parts.num_layers
+    assert [(e.exit.layer, e.exit.layer_passes, e.exit.token_layers) for e in events[-10:]] == [(L, L, L)] * 10
+
+    # an answer that ends at an end token read after the next forward was queued: the cache ends before it, as
+    # after any answer, and holds the full model's keys and values
+    cache, end = PromptCache(tiny_m2r2.base), 30
+    eos = EosAs(lm.tokenizer, eos=plain[end])
+    tokens = [
+        e.token
+        for e in early_exit_generate(
+            tiny_m2r2, eos, prompt, GenerationConfig(40), policy=ExitPolicy(tau=1.01), planner=planner, cache=cache
+        )
+    ]
+    assert tokens == plain[: plain.index(plain[end]) + 1]
+    assert [int(t) for t in cache.tokens] == prompt + tokens[:-1]
+    assert_cache_is_full_models(tiny_m2r2.base, cache)

@@ -1,4 +1,4 @@
-"""A bounded soak of m2r2-server (slow; loopback; it stops by itself): 150 requests of mixed methods, chat and
+"""A bounded soak of m2r2-server (slow; loopback; it stops by itself): 100 requests of mixed methods, chat and
 text, streamed and not, greedy and sampled, with cancels and a few bad requests, from two clients at once. No 5xx;
 every greedy answer equals the same request on a fresh server; resident memory after the first 50 requests grows by
 less than 10% over the rest. M2R2_SOAK_REQUESTS sets the count (docs/server.md's figures: 300);
@@ -19,7 +19,7 @@ import pytest
 
 from .server_util import post, raw_request, read_events, reset, running
 
-REQUESTS = int(os.environ.get("M2R2_SOAK_REQUESTS", "150"))
+REQUESTS = int(os.environ.get("M2R2_SOAK_REQUESTS", "100"))
 WARMUP = 50  # requests before the memory baseline: every mode's decoder built, the caches at their working size
 EVERY = 25  # the memory curve's step, in requests
 DEADLINE_S = 40 * 60  # the whole soak, however slow the machine: it never runs unbounded

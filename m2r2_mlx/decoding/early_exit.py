@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .. import host
 from ..tracing import NO_TRACE, Tracer
@@ -169,17 +170,26 @@ class EarlyExit:
         self.verdicts[j] = left
         return left
 
+    def plain_next(self) -> bool:
+        """Whether the next token runs the model's own forward: no gate pays for its check, none is pending."""
+        return self.planner is not None and not self.pending and not any(self.planner.checked())
+
+    def plain(self, token: mx.array) -> mx.array:
+        """Logits after ``token`` (shape (1,), read or not) by the model's own forward: no gate checked."""
+        self.verdicts, self.checks = {}, [False] * len(self.intervals)
+        logits = self.cache.forward(token)[-1]
+        self.layer_passes, self.token_layers = self.layer_passes + self.L, self.token_layers + self.L
+        self.h_prev = None if self.cache.states is None else self.cache.states[-1:][None]
+        return logits
+
     def step(self, token: int, index: int, allowed: np.ndarray | None = None) -> tuple[mx.array, int]:
         """Logits for the token after ``token`` (the ``index``-th of the answer) and the layer count that produced
         them. ``allowed``: the tokens a grammar allows next; a gate whose trimmed exit head scores none of them
         does not exit there."""
+        if self.plain_next():  # no gate pays: plain decoding's forward
+            return self.plain(mx.array([token])), self.L
         self.verdicts = {}
         self.checks = self.planner.checked() if self.planner is not None else []
-        if self.checks and not any(self.checks) and not self.pending:  # no gate pays: plain decoding's forward
-            logits = self.cache.forward(mx.array([token]))[-1]
-            self.layer_passes, self.token_layers = self.layer_passes + self.L, self.token_layers + self.L
-            self.h_prev = None if self.cache.states is None else self.cache.states[-1:][None]
-            return logits, self.L
         self.cache.record(token)
         h = self.parts.embed(mx.array([[token]]))
         trail: list = []  # what the exit rule keeps across this token's gates (ARLA's latents)
@@ -251,25 +261,66 @@ class EarlyExitDecoder:
             m2r2.base, self.tokenizer, prompt, cache, generation, self.context_length, m2r2.config.context_feature
         )
         walk = self.walker(m2r2, cache, self.policy, trace, planner)
-        exit_layer, passes, token_layers, tic = walk.L, 0, 0, None
+        rows = events.wants_logprobs
+        # a token queued ahead of its read is taken back if it ends the answer: only where the cache can trim
+        pipelined = sample.constraint is None and can_trim_prompt_cache(cache.layers)
+
+        def sampled(logits: mx.array, exit_layer: int, before: tuple[int, int]) -> Produced:
+            """The next token, lazily, with what its step ran (since the counters read ``before``)."""
+            token = trace.call("sample", sample, logits)  # the exit layer's, under the grammar
+            work = (walk.layer_passes - before[0], walk.token_layers - before[1])
+            return Produced(
+                token, sample.logprobs if rows else None, exit_layer, dict(walk.verdicts), work, sum(walk.checks)
+            )
+
+        now = sampled(logits, walk.L, (walk.layer_passes, walk.token_layers))
+        tic = None
         try:
             while True:
-                y = int(host.read(trace.call("sample", sample, logits)))  # the exit layer's, under the grammar
+                # Where the next token's step is the model's own forward (no gate pays), it is queued before this
+                # token is read, as plain decoding does; a grammar reads each token before the next mask.
+                ahead = None
+                if pipelined and walk.plain_next() and events.n + 1 < events.max_tokens:
+                    before = (walk.layer_passes, walk.token_layers)
+                    sample.feed(now.token[None])
+                    ahead = sampled(walk.plain(now.token[None]), walk.L, before)
+                    mx.async_eval([a for a in (ahead.token, ahead.logprobs) if a is not None])
+                y = int(host.read(now.token))
                 if planner is not None and tic is not None:  # the token's work, from its step to its read
-                    work = (walk.layer_passes - passes, walk.token_layers - token_layers)
-                    planner.observe(walk.verdicts, work[0], work[1] - work[0], sum(walk.checks), trace.now() - tic)
+                    passes, token_layers = now.work
+                    planner.observe(now.verdicts, passes, token_layers - passes, now.checks, trace.now() - tic)
+                passes, token_layers = walk.layer_passes, walk.token_layers
                 if events.finishes(y):
                     walk.flush()  # the cache becomes the full model's before the answer ends
-                record = ExitStep(exit_layer, walk.layer_passes - passes, walk.token_layers - token_layers)
-                passes, token_layers = walk.layer_passes, walk.token_layers
-                ev = events.event(y, row=sample.logprobs if events.wants_logprobs else None, exit=record)
+                    if ahead is not None:  # the last token went in ahead of its read: the cache ends before it
+                        cache.trim(1)
+                flushed = (walk.layer_passes - passes, walk.token_layers - token_layers)
+                record = ExitStep(now.exit_layer, now.work[0] + flushed[0], now.work[1] + flushed[1])
+                ev = events.event(y, row=now.logprobs, exit=record)
                 trace.on_emit(ev)
                 yield ev
                 if ev.finish_reason:
                     return
-                sample.feed(mx.array([y]))
-                allowed = None if sample.constraint is None else sample.constraint.at(sample.sequence).allowed()
-                tic = trace.now()
-                logits, exit_layer = walk.step(y, events.n, allowed)
+                tic = trace.now()  # the caller's time with the token is not the step's
+                if ahead is None:
+                    sample.feed(mx.array([y]))
+                    allowed = None if sample.constraint is None else sample.constraint.at(sample.sequence).allowed()
+                    before = (walk.layer_passes, walk.token_layers)
+                    logits, exit_layer = walk.step(y, events.n, allowed)
+                    ahead = sampled(logits, exit_layer, before)
+                now = ahead
         finally:  # also on cancel: leave the cache as the full model's
             walk.flush()
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A token not yet read and what its step ran: its exit layer, each checked gate's verdict, the layer passes and
+    token-layers it ran, and how many gates it checked."""
+
+    token: mx.array
+    logprobs: mx.array | None
+    exit_layer: int
+    verdicts: dict
+    work: tuple[int, int]
+    checks: int
