@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from m2r2_mlx.core.config import M2R2Config
 from m2r2_mlx.core.hub import packaged_adapters
 from m2r2_mlx.decoding.options import DecodingOptions
 
@@ -86,10 +87,6 @@ def test_models_and_a_plain_answer_with_usage(server):
     assert u.exit_layers == {"30": u.completion_tokens}
 
 
-def _packaged_gates() -> list[int]:
-    return json.loads((packaged_adapters("smollm2") / "m2r2_config.json").read_text())["gates"]
-
-
 @pytest.mark.slow
 def test_every_mode_per_request_and_lossless_ones_agree(server):
     client = _client(server)
@@ -114,7 +111,10 @@ def test_every_mode_per_request_and_lossless_ones_agree(server):
     # whether a gate is checked at all follows the costs this long-lived engine has measured (early exit never
     # costs), so the layers skipped may be none; where tokens exit, they exit at gates
     assert r.usage.method == "early-exit" and sum(r.usage.exit_layers.values()) == r.usage.completion_tokens
-    assert r.usage.layers_skipped >= 0 and set(map(int, r.usage.exit_layers)) <= {*_packaged_gates(), 30}
+    assert r.usage.layers_skipped >= 0 and set(map(int, r.usage.exit_layers)) <= {
+        *M2R2Config.load(packaged_adapters("smollm2")).gates,
+        30,
+    }
 
 
 @pytest.mark.slow

@@ -286,16 +286,17 @@ class EarlyExitDecoder:
                     ahead = sampled(walk.plain(now.token[None]), walk.L, before)
                     mx.async_eval([a for a in (ahead.token, ahead.logprobs) if a is not None])
                 y = int(host.read(now.token))
-                if planner is not None and tic is not None:  # the token's work, from its step to its read
-                    passes, token_layers = now.work
+                passes, token_layers = now.work  # the token's step, from its queueing to its read
+                if planner is not None and tic is not None:
                     planner.observe(now.verdicts, passes, token_layers - passes, now.checks, trace.now() - tic)
-                passes, token_layers = walk.layer_passes, walk.token_layers
                 if events.finishes(y):
-                    walk.flush()  # the cache becomes the full model's before the answer ends
+                    filled_from = (walk.layer_passes, walk.token_layers)
+                    walk.flush()  # the cache becomes the full model's before the answer ends (its fill counted)
+                    passes += walk.layer_passes - filled_from[0]
+                    token_layers += walk.token_layers - filled_from[1]
                     if ahead is not None:  # the last token went in ahead of its read: the cache ends before it
                         cache.trim(1)
-                flushed = (walk.layer_passes - passes, walk.token_layers - token_layers)
-                record = ExitStep(now.exit_layer, now.work[0] + flushed[0], now.work[1] + flushed[1])
+                record = ExitStep(now.exit_layer, passes, token_layers)
                 ev = events.event(y, row=now.logprobs, exit=record)
                 trace.on_emit(ev)
                 yield ev
