@@ -52,8 +52,9 @@ def nesting(doc: dict) -> dict[int, list[int]]:
     return children
 
 
-def check_trace(profile) -> list[float]:
-    """The trace parses as trace-event JSON and nests; returns each step's children's share of it."""
+def check_trace(profile) -> list[tuple[float, float]]:
+    """The trace parses as trace-event JSON and nests; returns, for each step, its children's share of it and the
+    longest stretch of it that no child owns (as a share of the step)."""
     doc = json.loads(json.dumps(trace_document(profile, summary(profile))))
     assert doc["displayTimeUnit"] == "ms" and any(e["ph"] == "M" for e in doc["traceEvents"])
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -61,14 +62,24 @@ def check_trace(profile) -> list[float]:
     children = nesting(doc)
     steps = [i for i, e in enumerate(events) if e["cat"] == "step"]
     assert steps and all("tokens" in events[i]["args"] and "context" in events[i]["args"] for i in steps)
-    return [sum(events[c]["dur"] for c in children[i]) / events[i]["dur"] for i in steps]
+    found = []
+    for i in steps:
+        step, kids = events[i], [events[c] for c in children[i]]
+        bounds = [step["ts"], *(t for k in kids for t in (k["ts"], k["ts"] + k["dur"])), step["ts"] + step["dur"]]
+        gaps = [bounds[j + 1] - bounds[j] for j in range(0, len(bounds), 2)]
+        found.append((sum(k["dur"] for k in kids) / step["dur"], max(gaps) / step["dur"]))
+    return found
 
 
-def assert_steps_covered(shares: list[float]) -> None:
-    """Nearly every step is accounted for by its components. A step the OS preempts (a busy CI runner) has time
-    inside it that no component owns, so one step in ten may fall short; a component left out would show in most."""
-    ordered = sorted(shares)
-    assert ordered[len(ordered) // 2] >= 0.95 and ordered[len(ordered) // 10] >= 0.9, ordered[:4]
+def assert_steps_covered(steps: list[tuple[float, float]]) -> None:
+    """Every step is accounted for by its components. A component left out shows as one stretch of a step that no
+    timed call owns, in nearly every step; the Python between timed calls (the framework overhead row: some 60 us
+    between two layers' calls, a few per cent of an early-exit walk timed layer by layer) shows as many short
+    ones. A step the OS preempts (a busy CI runner) has a stretch no component owns, so one step in ten may fall
+    short."""
+    shares, longest = sorted(s for s, _ in steps), sorted(g for _, g in steps)
+    assert shares[len(shares) // 2] >= 0.9 and shares[len(shares) // 10] >= 0.85, shares[:4]
+    assert longest[-1 - len(longest) // 10] <= 0.01, longest[-4:]
 
 
 def test_bandwidth_probe_is_positive_and_steady():

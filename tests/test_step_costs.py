@@ -1,5 +1,6 @@
 """The speculative engine's step costs (decoding/costs.py): priced in plain steps, so a slowdown of the whole
-machine cancels out; an outlier moves no estimate; sizes never measured read the curve through those that were."""
+machine cancels out; an outlier moves no estimate; sizes never measured read the curve through those that were,
+and sizes beyond them are priced to be tried."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ def test_the_first_measurements_price_every_size():
     assert math.isclose(costs.ratio(2), 1.5) and math.isclose(costs.ratio(8), 3.0)
     assert math.isclose(costs.ratio(5), 2.25) and math.isclose(costs.draft_cost(), 0.010)
     assert math.isclose(costs.ratio(1), 1.0) and costs.ratio(16) >= costs.ratio(8)  # never falling beyond
+
+
+def test_a_steep_small_size_does_not_price_longer_verifications_out_of_reach():
+    """Two noisy samples of the smallest size set no slope for sizes never verified: those are priced low enough to
+    be tried (and then by their own samples). Extending the end segment read 2-position verifications at 1.5 plain
+    steps as 11 positions at 6, and an engine whose first answer drafted nothing never copied a passage after it."""
+    costs = StepCosts()
+    steady(costs, 0.040, {2: 0.060}, steps=2)
+    assert math.isclose(costs.ratio(2), 1.5) and costs.ratio(11) < 2.5
+    steady(costs, 0.040, {11: 0.200}, steps=2)  # measured: the size's own samples price it
+    assert math.isclose(costs.ratio(11), 5.0) and math.isclose(costs.ratio(5), 1.5 + 3.5 * 3 / 9)
 
 
 def test_steps_timed_before_any_plain_step_wait_for_one():

@@ -3,7 +3,7 @@
 A verification of n positions costs ``ratio(n)`` plain steps, each sample taken against the plain step's time at
 that moment (timed on plain tokens decoded with the next one queued): when the machine slows, both slow and the
 ratio stands. Each size keeps its latest few samples; a size not yet measured reads the curve through those that
-were (docs/speculative.md).
+were, and one beyond them is priced to be tried (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -15,13 +15,20 @@ from collections import deque
 
 from .protocols import Outcome
 
+PRIOR_SLOPE = 0.05  # beyond the largest size measured, each position adds 5% of its ratio until measured
+
 
 def _interpolate(points: dict[int, float], n: int) -> float:
-    """A piecewise-linear curve through ``points`` (size -> ratio), extended by its end segments, never falling."""
+    """A piecewise-linear curve through ``points`` (size -> ratio), never falling. Beyond the largest size measured
+    it rises at PRIOR_SLOPE: extending the end segment instead would let two noisy samples of a small size price
+    every longer verification out of reach, and a size never verified is never measured, so the planner stays
+    locked out of copying; priced low, a longer size is tried and then priced by its own samples."""
     xs = sorted(points)
-    if n in points or len(xs) == 1:
-        return points.get(n, points[xs[0]] * (1 + 0.05 * (n - xs[0])))
-    i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)  # the segment xs[i - 1]..xs[i]
+    if n in points:
+        return points[n]
+    if n > xs[-1]:
+        return points[xs[-1]] * (1 + PRIOR_SLOPE * (n - xs[-1]))
+    i = bisect.bisect_left(xs, n)  # the segment xs[i - 1]..xs[i]
     lo, hi = xs[i - 1], xs[i]
     return max(points[lo] + max((points[hi] - points[lo]) / (hi - lo), 0.0) * (n - lo), 1e-3)
 
