@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from .conftest import slow_after_first
+from .inprocess import run_main
 
 EXE = shutil.which("m2r2-bench")
 
@@ -138,19 +138,15 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.parametrize(
     "args, message",
-    slow_after_first(
-        [
-            (["--categories", "poetry"], "unknown categories"),
-            (["--methods", "plain,warp"], "unknown methods"),
-            (["--methods", "mlx-lm-spec"], "needs --draft-model"),
-            (["--questions", "/no/such.jsonl"], "not found"),
-            (["--temp", "-1"], "--temp must be 0"),
-            (["--top-p", "0"], "--top-p must be in (0, 1]"),
-        ]
-    ),
+    [
+        (["--categories", "poetry"], "unknown categories"),
+        (["--methods", "plain,warp"], "unknown methods"),
+        (["--methods", "mlx-lm-spec"], "needs --draft-model"),
+        (["--questions", "/no/such.jsonl"], "not found"),
+        (["--temp", "-1"], "--temp must be 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    ],
 )
 def test_bench_bad_input_is_one_line(tmp_path, args, message):
-    r = subprocess.run(
-        [EXE, "--questions", str(_questions(tmp_path)), *args], capture_output=True, text=True, timeout=600
-    )
+    r = run_main("m2r2_bench.specbench", "--questions", _questions(tmp_path), *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -3,11 +3,9 @@ recorded sha256, remove by name after asking (or with --yes), and one-line refus
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from .inprocess import run_main
 
 
 @pytest.fixture
@@ -24,15 +22,8 @@ def home(tmp_path):
     return tmp_path
 
 
-def cache(home, *args, stdin=None):
-    return subprocess.run(
-        [sys.executable, "-m", "m2r2_mlx.models.cache_cli", *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
-        env={**os.environ, "M2R2_HOME": str(home)},
-        timeout=120,
-    )
+def cache(home, *args, stdin=""):
+    return run_main("m2r2_mlx.models.cache_cli", *args, env={"M2R2_HOME": str(home)}, stdin=stdin)
 
 
 def test_list_shows_entries_sizes_and_total(home):

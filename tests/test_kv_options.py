@@ -3,10 +3,6 @@ plain decoding and across a chat's turns; the modes that rewrite the cache refus
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from m2r2_mlx.core.hub import packaged_adapters
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import GenerationConfig, KVConfig
@@ -22,7 +18,7 @@ from m2r2_server.protocol import RequestError, parse_request
 from m2r2_server.worker import ModelWorker
 from tests.conftest import FRANCE
 
-from .conftest import slow_after_first
+from .inprocess import run_main
 
 
 def _tokens(lm, prompt, n, **cache_options):
@@ -60,26 +56,18 @@ def test_chat_turns_with_a_rotating_cache(lm):
 
 
 def _chat(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "m2r2_tui.chat", "-p", "hi", *args],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=120,
-    )
+    return run_main("m2r2_tui.chat", "-p", "hi", *args)
 
 
 @pytest.mark.parametrize(
     "args, message",
-    slow_after_first(
-        [
-            (["--kv-bits", "4", "--method", "speculative"], "--kv-bits works with --method plain only"),
-            (["--max-kv-size", "256", "--method", "early-exit"], "--max-kv-size works with --method plain only"),
-            (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
-            (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
-            (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
-        ]
-    ),
+    [
+        (["--kv-bits", "4", "--method", "speculative"], "--kv-bits works with --method plain only"),
+        (["--max-kv-size", "256", "--method", "early-exit"], "--max-kv-size works with --method plain only"),
+        (["--kv-bits", "4", "--max-kv-size", "256"], "cannot be combined"),
+        (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
+        (["--max-kv-size", "8"], "--max-kv-size must be at least 16"),
+    ],
 )
 def test_bad_kv_options_are_one_line(args, message):
     r = _chat(*args)

@@ -9,7 +9,7 @@ from m2r2_mlx.models.registry import ALIASES, load_model, resolve_model_path
 
 import pytest
 
-from .conftest import slow_after_first
+from .inprocess import run_main
 
 
 def test_aliases_name_the_agreed_models():
@@ -81,16 +81,14 @@ def test_hub_alias_offline_is_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     "args, message",
-    slow_after_first(
-        [
-            (["--model", "nosuch"], "unknown model"),
-            (["--model", "./no/such/folder"], "not found"),
-            (["--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
-            (["--temp", "-1", "--prompt", "x"], "--temp"),
-        ]
-    ),
+    [
+        (["--model", "nosuch"], "unknown model"),
+        (["--model", "./no/such/folder"], "not found"),
+        (["--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
+        (["--temp", "-1", "--prompt", "x"], "--temp"),
+    ],
 )
 def test_cli_bad_input_is_one_line(args, message):
-    r = _cli(*args)
+    r = run_main("m2r2_tui.chat", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
