@@ -2,9 +2,6 @@
 transformers llama saved as a model folder (the --base), which MLX loads too, random adapters made "in PyTorch"
 (m2r2_torch.modules, the trainer's own modules), and the exits of both fast streams to compare."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +15,7 @@ from m2r2_convert.sources import read_checkpoint  # noqa: E402
 from m2r2_torch.fast_stream import M2R2Torch  # noqa: E402
 from m2r2_torch.modules import M2R2Adapters  # noqa: E402
 
+from .inprocess import Ran, run_main  # noqa: E402
 from .torch_tiny import tiny_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,25 +32,12 @@ LLAMA_TARGETS = [
 ]
 
 
-def run_cli(module: str, *args, timeout=600) -> subprocess.CompletedProcess:
-    """A console script as a user runs it, on this checkout's code."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-        cwd=ROOT,
-        timeout=timeout,
-    )
+def convert(*args) -> Ran:
+    """m2r2-convert's main() in this process."""
+    return run_main("m2r2_convert.cli", *args)
 
 
-def convert(*args) -> subprocess.CompletedProcess:
-    return run_cli("m2r2_convert.cli", *args)
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
+def assert_one_line_error(r: Ran, *fragments: str) -> None:
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()

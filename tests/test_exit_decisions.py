@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.arla import ARLA, ARLARule
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
+from .inprocess import run_main
 from .tiny import EosAs, early_exit_generate, tiny_model
 
 
@@ -102,14 +101,14 @@ def test_arla_rule_drives_early_exit_and_survives_save_load(lm, tiny, tmp_path):
     assert {e.exit_layer for e in always[1:]} == {2}
 
 
+def train(*args):
+    """m2r2-train's main() in this process."""
+    return run_main("m2r2_mlx.training.train", *args)
+
+
 @pytest.mark.slow
 def test_negative_exit_vocab_is_one_clear_line(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "m2r2_mlx.training.train", "--exit-vocab", "-1", "-o", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = train("--exit-vocab", "-1", "-o", str(tmp_path / "o"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--exit-vocab must be 0" in r.stderr.strip().splitlines()[-1] and not (tmp_path / "o").exists()
 
@@ -133,9 +132,6 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 37} and thing{i % 11}." for i in range(3000)))
     common = [
-        sys.executable,
-        "-m",
-        "m2r2_mlx.training.train",
         "--text",
         str(text),
         "--seq-len",
@@ -147,30 +143,20 @@ def test_trainer_arla_stage_on_existing_adapters(tmp_path):
         "--gates",
         "10,20",
     ]
-    first = subprocess.run(
-        [*common, "--steps", "2", "--stage", "adapters", "--rank", "4", "-o", str(tmp_path / "a")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    first = train(*common, "--steps", "2", "--stage", "adapters", "--rank", "4", "-o", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-2000:]
-    r = subprocess.run(
-        [
-            *common,
-            "--stage",
-            "arla",
-            "--init",
-            str(tmp_path / "a"),
-            "--arla-rows",
-            "4",
-            "--arla-steps",
-            "20",
-            "-o",
-            str(tmp_path / "b"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = train(
+        *common,
+        "--stage",
+        "arla",
+        "--init",
+        str(tmp_path / "a"),
+        "--arla-rows",
+        "4",
+        "--arla-steps",
+        "20",
+        "-o",
+        str(tmp_path / "b"),
     )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "b" / "m2r2_config.json").read_text())
@@ -194,9 +180,6 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 37} and thing{i % 11}." for i in range(3000)))
     common = [
-        sys.executable,
-        "-m",
-        "m2r2_mlx.training.train",
         "--seq-len",
         "64",
         "--batch-size",
@@ -210,12 +193,7 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
         "--steps",
         "2",
     ]
-    r = subprocess.run(
-        [*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "-o", str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = train("--text", str(text), "--seq-len", "64", "--stage", "data", "-o", str(tmp_path / "d"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert {f.name for f in (tmp_path / "d").iterdir()} == {"data.npy", "data.mask.npy"}
     rows = str(tmp_path / "d" / "data.npy")
@@ -226,50 +204,30 @@ def test_trainer_data_stage_then_widened_first_interval(tmp_path):
     # rows packed before masks were kept get theirs added, the rows themselves untouched
     (tmp_path / "d" / "data.mask.npy").unlink()
     before = (tmp_path / "d" / "data.npy").read_bytes()
-    r = subprocess.run(
-        [*common[:3], "--text", str(text), "--seq-len", "64", "--stage", "data", "--resume", "-o", str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = train("--text", str(text), "--seq-len", "64", "--stage", "data", "--resume", "-o", str(tmp_path / "d"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "d" / "data.npy").read_bytes() == before
     assert np.array_equal(np.load(tmp_path / "d" / "data.mask.npy"), mask)
-    first = subprocess.run(
-        [*common, "--data", rows, "--rank", "4", "--loss-on", "answers", "-o", str(tmp_path / "a")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    first = train(*common, "--data", rows, "--rank", "4", "--loss-on", "answers", "-o", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-2000:]
     assert "answers and text only" in first.stdout
     # rows without their mask: --loss-on answers says what is missing and how to get it, in one line
     shutil.copy(rows, tmp_path / "bare.npy")
-    r = subprocess.run(
-        [*common, "--data", str(tmp_path / "bare.npy"), "--loss-on", "answers", "-o", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = train(*common, "--data", str(tmp_path / "bare.npy"), "--loss-on", "answers", "-o", str(tmp_path / "x"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "bare.mask.npy" in r.stderr.strip().splitlines()[-1] and "--stage data" in r.stderr
-    r = subprocess.run(
-        [
-            *common,
-            "--data",
-            rows,
-            "--init",
-            str(tmp_path / "a"),
-            "--rank",
-            "8,4",
-            "--train-gates",
-            "10",
-            "-o",
-            str(tmp_path / "w"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = train(
+        *common,
+        "--data",
+        rows,
+        "--init",
+        str(tmp_path / "a"),
+        "--rank",
+        "8,4",
+        "--train-gates",
+        "10",
+        "-o",
+        str(tmp_path / "w"),
     )
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "w" / "m2r2_config.json").read_text())

@@ -4,8 +4,6 @@ the embedded model so imported gives the float32 import's logits and is 4-7x sma
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.models.gguf_import import GROUP, KEEPABLE, mlx_affine
@@ -15,6 +13,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+
+from .inprocess import run_main
 
 
 @pytest.mark.parametrize("kind", list(KEEPABLE))
@@ -36,21 +36,7 @@ def folder_size(path) -> int:
 @pytest.mark.slow
 def test_embedded_model_kept_quantized_gives_the_float32_logits(lm, tmp_path, france_prompt):
     out = tmp_path / "smollm2-q"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "m2r2_convert.cli",
-            "gguf",
-            str(embedded_gguf_path()),
-            "-o",
-            str(out),
-            "--keep-quantized",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = run_main("m2r2_convert.cli", "gguf", str(embedded_gguf_path()), "-o", str(out), "--keep-quantized")
     assert r.returncode == 0, r.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"] == {

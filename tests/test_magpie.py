@@ -2,8 +2,6 @@
 sampling on the real model, and the CLI's refusals."""
 
 import json
-import subprocess
-import sys
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.training.data import read_prompts
@@ -16,6 +14,8 @@ from m2r2_mlx.training.magpie import (
 )
 
 import pytest
+
+from .inprocess import run_main
 
 
 def test_pre_query_template_is_the_prefix_of_every_first_user_turn(lm):
@@ -92,12 +92,7 @@ def test_cli_refuses_to_overwrite_and_a_bad_count(tmp_path):
         (["-n", "2"], "exists; pass --force"),
         (["-n", "0", "--force"], "--requests must be at least 1"),
     ):
-        r = subprocess.run(
-            [sys.executable, "-m", "m2r2_mlx.training.magpie", "-o", str(out), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = run_main("m2r2_mlx.training.magpie", "-o", str(out), *args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
     assert out.read_text() == "keep me\n"
