@@ -3,7 +3,6 @@ m2r2-bench --moe runs every method end to end on a tiny OLMoE and writes its fil
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 from m2r2_mlx.core.adapters import new_m2r2, save_adapters
@@ -19,6 +18,8 @@ from mlx.utils import tree_flatten, tree_map
 from m2r2_bench.moe_bench import MOE_METHODS, MoEBenchConfig, numbers
 from m2r2_bench.moe_rows import greedy
 from tests.tiny import tiny_model
+
+from .inprocess import run_main
 
 BOUNDS3 = ("lru", "belady", "oracle")
 PROMPT = np.array([3, 17, 42, 8, 99, 23, 5, 61, 12, 7])
@@ -81,11 +82,11 @@ EXE = shutil.which("m2r2-bench")
 def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
     out = tmp_path / "out"
-    cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
+    cmd = ["--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
     cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2"]
     methods = [m for m in MOE_METHODS if m != "lookahead"]  # its maps are fitted by their own command
     cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--methods", ",".join(methods), "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = run_main("m2r2_bench.specbench", *cmd)
     assert r.returncode == 0, r.stderr[-2000:]
     run, *rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert (
@@ -106,12 +107,7 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow  # (a subprocess; the same checks in-process: test_bench_config_is_checked_before_anything_loads)
 def test_bench_moe_bad_input_is_one_line(tmp_path):
-    r = subprocess.run(
-        [EXE, "--moe", "--methods", "lru,psychic", "--prompts", str(tmp_path / "none.npy")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_main("m2r2_bench.specbench", "--moe", "--methods", "lru,psychic", "--prompts", tmp_path / "none.npy")
     assert r.returncode == 2 and "Traceback" not in r.stderr  # argparse's usage, then the one error line
     assert "psychic" in r.stderr.strip().splitlines()[-1]
 

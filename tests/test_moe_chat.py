@@ -1,9 +1,7 @@
 """m2r2-chat on an MoE model within an expert memory budget: same answer, expert stats shown."""
 
 import asyncio
-import os
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
@@ -12,6 +10,8 @@ from textual.widgets import Static
 from m2r2_tui.app import ChatApp
 from tests.test_tui import _ask, _setup
 from tests.tiny import tiny_olmoe_folder
+
+from .inprocess import run_main
 
 EXE = shutil.which("m2r2-chat")
 
@@ -23,13 +23,16 @@ def moe_folder(tmp_path_factory):
 
 
 def _chat(folder, *extra, home):
-    env = dict(os.environ, M2R2_HOME=str(home))
-    return subprocess.run(
-        [EXE, "--model", str(folder), "--prompt", "Hello there", "--max-tokens", "8", *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+    return run_main(
+        "m2r2_tui.chat",
+        "--model",
+        folder,
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "8",
+        *extra,
+        env={"M2R2_HOME": str(home)},
     )
 
 
@@ -47,7 +50,7 @@ def test_budgeted_chat_answers_exactly_as_all_resident(moe_folder, tmp_path):
 @pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow
 def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
-    r = subprocess.run([EXE, "--prompt", "Hi", "--memory-budget", "25%"], capture_output=True, text=True, timeout=300)
+    r = run_main("m2r2_tui.chat", "--prompt", "Hi", "--memory-budget", "25%")
     assert r.returncode != 0 and "mixture-of-experts" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 

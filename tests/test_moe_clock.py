@@ -3,7 +3,6 @@ trace, the prediction-aware eviction rule, and the bench's device figures reprod
 
 import itertools
 import json
-import subprocess
 
 from m2r2_mlx.errors import M2R2Error
 from m2r2_mlx.moe import ExpertStore, PrefetchPlanner, insitu, offload_experts
@@ -29,6 +28,8 @@ from m2r2_bench.moe_controls import FutureRoutes
 from m2r2_bench.moe_rows import greedy
 from tests.test_moe_ahead_of_time import EXE, PROMPT, _tiny_olmoe_folder
 from tests.tiny import tiny_model
+
+from .inprocess import run_main
 
 T_LINK = 1e-4 + 1e6 / 1e8  # one 1 MB transfer: latency + bytes over the link's bandwidth
 
@@ -198,11 +199,11 @@ def test_the_device_clock_reproduces_itself_exactly(tmp_path):
     results = []
     for run in ("a", "b"):
         out = tmp_path / run
-        cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
+        cmd = ["--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
         cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50,25", "--num-prompts", "2"]
         cmd += ["--prompt-tokens", "8", "--max-tokens", "6", "--profile", "macbook"]
         cmd += ["--methods", "lru,pregating-planned,fast-fused,oracle", "--out", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        r = run_main("m2r2_bench.specbench", *cmd)
         assert r.returncode == 0, r.stderr[-2000:]
         run, *rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
         assert run["run"]["clock"] == "device"
@@ -292,10 +293,10 @@ def test_the_in_situ_fit_recovers_a_known_machines_terms():
 @pytest.mark.slow
 def test_the_bench_measures_this_machines_profile_when_asked(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
-    cmd = [EXE, "--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
+    cmd = ["--moe", "--model", str(model), "--adapters", str(tmp_path / "adapters")]
     cmd += ["--prompts", str(tmp_path / "eval.npy"), "--budgets", "50", "--num-prompts", "2", "--prompt-tokens", "8"]
     cmd += ["--max-tokens", "6", "--clock", "device", "--methods", "resident,lru", "--out", str(tmp_path / "out")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = run_main("m2r2_bench.specbench", *cmd)
     assert r.returncode == 0, r.stderr[-2000:]
     run, *rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
     profile = run["run"]["device_profile"]

@@ -7,8 +7,6 @@ its experts offload to an expert store and cache, and decoding within a budget, 
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from m2r2_mlx.core.adapters import new_m2r2
@@ -33,6 +31,8 @@ from m2r2_bench.moe_controls import Oracle, ShuffledControl
 from m2r2_bench.moe_rows import greedy
 from m2r2_tools.moefy_layers import balanced_kmeans, layer_pass, moefy_layer
 
+from .inprocess import run_main
+
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
 QUESTIONS = Path(__file__).parents[1] / "bench" / "data" / "question.jsonl"  # Spec-Bench's, shipped with the bench
 
@@ -47,7 +47,7 @@ def corpus(folder: Path) -> Path:
 
 
 def _moefy(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "m2r2_tools.moefy", *args], capture_output=True, text=True, timeout=600)
+    r = run_main("m2r2_tools.moefy", *args)
     if check:
         assert r.returncode == 0, r.stderr[-2000:]
     return r
@@ -211,9 +211,7 @@ def test_bad_input_is_one_clear_line(folder, store, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("m2r2-bench") is None, reason="package not installed (pip install -e .)")
 def test_bench_unknown_profile_is_one_line():
-    r = subprocess.run(
-        [shutil.which("m2r2-bench"), "--moe", "--profile", "laptop"], capture_output=True, text=True, timeout=120
-    )
+    r = run_main("m2r2_bench.specbench", "--moe", "--profile", "laptop")
     assert r.returncode != 0 and "unknown device profile 'laptop'" in r.stderr and "pcie-gpu" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 

@@ -3,8 +3,6 @@ lower the loss and raise the recall of the experts the exits predict; the folder
 bad input is one line each (python -m m2r2_mlx.moe adapters)."""
 
 import json
-import subprocess
-import sys
 
 from m2r2_mlx.core.adapters import load_adapters, new_m2r2, save_adapters
 from m2r2_mlx.core.integrity import record_hashes
@@ -18,6 +16,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from tests.tiny import tiny_model
+
+from .inprocess import run_main
 
 ROWS = np.random.default_rng(0).integers(0, 101, (12, 16))
 
@@ -91,12 +91,7 @@ def test_bad_input_is_one_line(tmp_path):
         (["--ids", str(ids), "--seq-len", "2"], "--seq-len must be at least 8"),
         (["--ids", str(ids), "--gates", "2,x"], "--gates takes comma-separated"),
     ]:
-        r = subprocess.run(
-            [sys.executable, "-m", "m2r2_mlx.moe", "adapters", *base, *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = run_main("m2r2_mlx.moe.__main__", "adapters", *base, *args)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
         assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -74,7 +74,7 @@ def test_a_long_session_drafts_again_where_the_text_makes_it_pay(lm, plain_answe
 
 @pytest.mark.slow
 def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, monkeypatch):
-    """Every forward delayed by 0.25 s during the first answers (a busy machine: an engine that priced
+    """Every forward delayed by 0.1 s (four plain steps) during the first answers (a busy machine: an engine that priced
     verification by what it cost then would never verify a draft again), then normal speed: the next answers
     where the text repeats draft again, at 2.5 tokens a step or more. (On new writing a long-lived engine rightly stops
     drafting once it has learnt that drafts fail there, slowdown or not.)"""
@@ -82,7 +82,7 @@ def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, monkeypa
     forward = PromptCache.forward
 
     def slow_forward(self, tokens):
-        time.sleep(0.25)
+        time.sleep(0.1)
         return forward(self, tokens)
 
     monkeypatch.setattr(PromptCache, "forward", slow_forward)
