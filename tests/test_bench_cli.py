@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import subprocess
 
 import pytest
 
@@ -28,25 +27,20 @@ def _questions(tmp_path):
 def test_bench_runs_every_method_and_writes_its_files(tmp_path):
     q = _questions(tmp_path)
     out = tmp_path / "out"
-    r = subprocess.run(
-        [
-            EXE,
-            "--questions",
-            str(q),
-            "--categories",
-            "writing,qa",
-            "--max-tokens",
-            "12",
-            "--methods",
-            "plain,mlx-lm,speculative,layerskip,lookup",
-            "--draft-model",
-            "smollm2",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = run_main(
+        "m2r2_bench.specbench",
+        "--questions",
+        str(q),
+        "--categories",
+        "writing,qa",
+        "--max-tokens",
+        "12",
+        "--methods",
+        "plain,mlx-lm,speculative,layerskip,lookup",
+        "--draft-model",
+        "smollm2",
+        "--out",
+        str(out),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     methods = ["plain", "mlx-lm", "speculative", "layerskip", "lookup", "mlx-lm-spec"]
@@ -68,52 +62,42 @@ def test_bench_samples_when_asked(tmp_path):
     """--temperature: every method samples (mlx-lm through its own sampler), seeded per question; answers are not
     compared with plain's, and the table says so."""
     out = tmp_path / "out"
-    r = subprocess.run(
-        [
-            EXE,
-            "--questions",
-            str(_questions(tmp_path)),
-            "--categories",
-            "qa",
-            "--max-tokens",
-            "16",
-            "--methods",
-            "plain,mlx-lm,speculative",
-            "--temperature",
-            "1.0",
-            "--top-p",
-            "0.95",
-            "--seed",
-            "3",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = run_main(
+        "m2r2_bench.specbench",
+        "--questions",
+        str(_questions(tmp_path)),
+        "--categories",
+        "qa",
+        "--max-tokens",
+        "16",
+        "--methods",
+        "plain,mlx-lm,speculative",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     table = (out / "results.md").read_text()
     assert "sampled (temperature 1.0, top-p 0.95)" in table
     overall = [line for line in table.splitlines() if line.startswith("| overall")]
     assert len(overall) == 3 and all(line.rstrip(" |").endswith("- (sampled)") for line in overall)
-    greedy = subprocess.run(
-        [
-            EXE,
-            "--questions",
-            str(_questions(tmp_path)),
-            "--categories",
-            "qa",
-            "--max-tokens",
-            "16",
-            "--methods",
-            "plain",
-            "--out",
-            str(tmp_path / "greedy"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    greedy = run_main(
+        "m2r2_bench.specbench",
+        "--questions",
+        str(_questions(tmp_path)),
+        "--categories",
+        "qa",
+        "--max-tokens",
+        "16",
+        "--methods",
+        "plain",
+        "--out",
+        str(tmp_path / "greedy"),
     )
     assert greedy.returncode == 0
     answer = lambda folder: json.loads((folder / "plain.jsonl").read_text())["choices"][0]["turns"]  # noqa: E731

@@ -4,8 +4,6 @@ in the package with results written under the working folder, not into docs/."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +11,12 @@ import pytest
 from m2r2_bench.questions import CATEGORIES, SPECBENCH
 from m2r2_bench.specbench import build_parser
 
+from .inprocess import run_main
+
 
 @pytest.mark.slow
 def test_prompt_from_stdin():
-    r = subprocess.run(
-        [sys.executable, "-m", "m2r2_tui.chat", "-p", "-", "-m", "12"],
-        input="What is the capital of France?",
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_main("m2r2_tui.chat", "-p", "-", "-m", "12", stdin="What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "smollm2 | speculative" in r.stderr
 

@@ -1,8 +1,6 @@
 """The training corpora builder (m2r2_tools.corpora) reads the corpora where it is told (--fortunes, --python-docs,
 --npm-root), and a corpus that is not there is one line naming the flag that points at it."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 from m2r2_mlx.errors import M2R2Error
@@ -11,6 +9,8 @@ import pytest
 
 from m2r2_tools.corpora import build
 from m2r2_tools.corpus_sources import INSTALL, Corpora, CorpusPaths
+
+from .inprocess import run_main
 
 SAYINGS = [f"Saying number {i}: a stitch in time saves nine, and so do the other {i} stitches." for i in range(5)]
 
@@ -58,23 +58,31 @@ def test_a_missing_corpus_names_its_flag(paths, read, flag, monkeypatch):
 
 
 def test_command_line_takes_the_paths(tmp_path):
-    cmd = [sys.executable, "-m", "m2r2_tools.corpora", "--prompts", "0", "--text-chars", "100"]
+    cmd = ["--prompts", "0", "--text-chars", "100"]
     fortunes = _fortunes(tmp_path / "fortunes")
-    r = subprocess.run(
-        [*cmd, "--text-sources", "fortunes", "--fortunes", str(fortunes), "-o", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    r = run_main(
+        "m2r2_tools.corpora",
+        *cmd,
+        "--text-sources",
+        "fortunes",
+        "--fortunes",
+        str(fortunes),
+        "-o",
+        str(tmp_path / "out"),
     )
     assert r.returncode == 0, r.stderr
     assert set((tmp_path / "out" / "text.txt").read_text().split("\n\n")) <= set(SAYINGS)
     assert (tmp_path / "out" / "prompts.jsonl").read_text() == ""
 
-    r = subprocess.run(
-        [*cmd, "--text-sources", "fortunes", "--fortunes", str(tmp_path / "none"), "-o", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    r = run_main(
+        "m2r2_tools.corpora",
+        *cmd,
+        "--text-sources",
+        "fortunes",
+        "--fortunes",
+        str(tmp_path / "none"),
+        "-o",
+        str(tmp_path / "x"),
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [

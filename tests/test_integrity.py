@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 
 from m2r2_mlx import checksums
 from m2r2_mlx.checksums import RECORD
@@ -30,6 +28,7 @@ from m2r2_mlx.errors import M2R2Error
 
 import pytest
 
+from .inprocess import run_main
 from .tiny import tiny_model
 
 PACKAGED = packaged_adapters("smollm2")
@@ -97,9 +96,7 @@ def test_a_folder_without_a_record_loads_with_one_note(copy, lm, caplog):
 def test_the_record_command_records_a_folder(copy):
     (copy / RECORD).unlink()
     config = (copy / CONFIG_FILE).read_bytes()
-    r = subprocess.run(
-        [sys.executable, "-m", "m2r2_mlx.core.integrity", str(copy)], capture_output=True, text=True, timeout=120
-    )
+    r = run_main("m2r2_mlx.core.integrity", str(copy))
     assert r.returncode == 0 and "recorded the sha256 of adapters.safetensors, draft_vocab.json" in r.stdout
     assert recorded_hashes(copy) == current_hashes(PACKAGED) and (copy / CONFIG_FILE).read_bytes() == config
 

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
 from m2r2_server.cli import is_loopback
 
+from .inprocess import run_main
 from .server_util import (
-    ROOT,
     get,
     is_error_body,
     post,
@@ -177,13 +175,7 @@ def test_loopback_hosts():
 
 @pytest.mark.slow
 def test_an_empty_key_is_refused_in_one_line():
-    r = subprocess.run(
-        [sys.executable, "-m", "m2r2_server.cli", "--api-key", " "],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    r = run_main("m2r2_server.cli", "--api-key", " ")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "m2r2-server: error: the API key is empty; pass --api-key KEY (or set M2R2_API_KEY) with a key, or neither"
     ]
