@@ -1,13 +1,10 @@
 """m2r2-bench end to end on two tiny questions: every method runs, lossless ones match plain, files land."""
 
 import json
-import shutil
 
 import pytest
 
 from .inprocess import run_main
-
-EXE = shutil.which("m2r2-bench")
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write one sentence about the sea.", "Now about the sky."]},
@@ -23,7 +20,6 @@ def _questions(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_bench_runs_every_method_and_writes_its_files(tmp_path):
     q = _questions(tmp_path)
     out = tmp_path / "out"
@@ -57,7 +53,6 @@ def test_bench_runs_every_method_and_writes_its_files(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_bench_samples_when_asked(tmp_path):
     """--temperature: every method samples (mlx-lm through its own sampler), seeded per question; answers are not
     compared with plain's, and the table says so."""
@@ -119,7 +114,6 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
     assert summary["overall", "plain"]["tok_s"] == 140 / 4.0
 
 
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.parametrize(
     "args, message",
     [

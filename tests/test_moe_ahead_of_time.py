@@ -2,7 +2,6 @@
 m2r2-bench --moe runs every method end to end on a tiny OLMoE and writes its files."""
 
 import json
-import shutil
 from pathlib import Path
 
 from m2r2_mlx.core.adapters import new_m2r2, save_adapters
@@ -74,10 +73,6 @@ def _tiny_olmoe_folder(tmp_path):
     return folder
 
 
-EXE = shutil.which("m2r2-bench")
-
-
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow
 def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
@@ -104,7 +99,6 @@ def test_bench_moe_runs_every_method_and_writes_its_files(tmp_path):
     assert (out / "moe_bench.png").stat().st_size > 0 and "M2R2 fast stream" in (out / "results.md").read_text()
 
 
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow  # (a subprocess; the same checks in-process: test_bench_config_is_checked_before_anything_loads)
 def test_bench_moe_bad_input_is_one_line(tmp_path):
     r = run_main("m2r2_bench.specbench", "--moe", "--methods", "lru,psychic", "--prompts", tmp_path / "none.npy")

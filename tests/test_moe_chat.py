@@ -1,7 +1,6 @@
 """m2r2-chat on an MoE model within an expert memory budget: same answer, expert stats shown."""
 
 import asyncio
-import shutil
 
 import mlx.core as mx
 import pytest
@@ -12,8 +11,6 @@ from tests.test_tui import _ask, _setup
 from tests.tiny import tiny_olmoe_folder
 
 from .inprocess import run_main
-
-EXE = shutil.which("m2r2-chat")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +34,6 @@ def _chat(folder, *extra, home):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_budgeted_chat_answers_exactly_as_all_resident(moe_folder, tmp_path):
     full = _chat(moe_folder, home=tmp_path)
     budgeted = _chat(moe_folder, "--memory-budget", "50%", home=tmp_path)
@@ -47,7 +43,6 @@ def test_budgeted_chat_answers_exactly_as_all_resident(moe_folder, tmp_path):
     assert (tmp_path / "experts").is_dir()  # exported once into m2r2's cache folder
 
 
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow
 def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
     r = run_main("m2r2_tui.chat", "--prompt", "Hi", "--memory-budget", "25%")
@@ -56,7 +51,6 @@ def test_memory_budget_on_a_dense_model_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 def test_fast_predictor_with_lora_adapters_in_speculative_mode(moe_folder, tmp_path):
     """The predictor's layer taps must not break LoRA adapters the decoder loads (names inside layers)."""
     from m2r2_mlx.core.adapters import new_m2r2, save_adapters

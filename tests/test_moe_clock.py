@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from m2r2_bench.moe_controls import FutureRoutes
 from m2r2_bench.moe_rows import greedy
-from tests.test_moe_ahead_of_time import EXE, PROMPT, _tiny_olmoe_folder
+from tests.test_moe_ahead_of_time import PROMPT, _tiny_olmoe_folder
 from tests.tiny import tiny_model
 
 from .inprocess import run_main
@@ -192,7 +192,6 @@ def test_every_profile_builds_a_clock_and_the_device_ones_keep_their_ratio():
     assert 2.0 < PROFILES["macbook"].ratio < 2.6 and 2.5 < PROFILES["pcie-gpu"].ratio < 3.0
 
 
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow
 def test_the_device_clock_reproduces_itself_exactly(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
@@ -289,7 +288,6 @@ def test_the_in_situ_fit_recovers_a_known_machines_terms():
     assert f["attention_us"] == pytest.approx(90.0, rel=1e-4) and f["alone_vs_running"] == pytest.approx(alone)
 
 
-@pytest.mark.skipif(EXE is None, reason="package not installed (pip install -e .)")
 @pytest.mark.slow
 def test_the_bench_measures_this_machines_profile_when_asked(tmp_path):
     model = _tiny_olmoe_folder(tmp_path)
