@@ -2,8 +2,6 @@
 transformers llama saved as a model folder (the --base), which MLX loads too, random adapters made "in PyTorch"
 (m2r2_torch.modules, the trainer's own modules), and the exits of both fast streams to compare."""
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,7 +16,6 @@ from m2r2_torch.modules import M2R2Adapters  # noqa: E402
 from .inprocess import Ran, run_main  # noqa: E402
 from .torch_tiny import tiny_hf  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 GATES = [2, 4]
 RANK, ARLA_DIM = 4, 8
 LLAMA_TARGETS = [

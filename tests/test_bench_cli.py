@@ -13,20 +13,18 @@ QUESTIONS = [
 ]
 
 
-def _questions(tmp_path):
+def bench(tmp_path, *args):
+    """m2r2-bench's main() in this process, on QUESTIONS written into ``tmp_path``."""
     q = tmp_path / "question.jsonl"
     q.write_text("\n".join(json.dumps(x) for x in QUESTIONS) + "\n")
-    return q
+    return run_main("m2r2_bench.specbench", "--questions", q, *args)
 
 
 @pytest.mark.slow
 def test_bench_runs_every_method_and_writes_its_files(tmp_path):
-    q = _questions(tmp_path)
     out = tmp_path / "out"
-    r = run_main(
-        "m2r2_bench.specbench",
-        "--questions",
-        str(q),
+    r = bench(
+        tmp_path,
         "--categories",
         "writing,qa",
         "--max-tokens",
@@ -57,10 +55,8 @@ def test_bench_samples_when_asked(tmp_path):
     """--temperature: every method samples (mlx-lm through its own sampler), seeded per question; answers are not
     compared with plain's, and the table says so."""
     out = tmp_path / "out"
-    r = run_main(
-        "m2r2_bench.specbench",
-        "--questions",
-        str(_questions(tmp_path)),
+    r = bench(
+        tmp_path,
         "--categories",
         "qa",
         "--max-tokens",
@@ -81,10 +77,8 @@ def test_bench_samples_when_asked(tmp_path):
     assert "sampled (temperature 1.0, top-p 0.95)" in table
     overall = [line for line in table.splitlines() if line.startswith("| overall")]
     assert len(overall) == 3 and all(line.rstrip(" |").endswith("- (sampled)") for line in overall)
-    greedy = run_main(
-        "m2r2_bench.specbench",
-        "--questions",
-        str(_questions(tmp_path)),
+    greedy = bench(
+        tmp_path,
         "--categories",
         "qa",
         "--max-tokens",
@@ -126,5 +120,5 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
     ],
 )
 def test_bench_bad_input_is_one_line(tmp_path, args, message):
-    r = run_main("m2r2_bench.specbench", "--questions", _questions(tmp_path), *args)
+    r = bench(tmp_path, *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
