@@ -49,7 +49,9 @@ def test_random_predictions_load_next_to_nothing_and_leave_lru_as_it_was(store, 
     # probes, whose number follows the wall clock's timings) before its miss is scored, then none
     windows = planner.governor.windows["on"]
     assert s.total("prefetch_loads") == planner.decisions["loaded"] <= windows <= N // 4
-    assert (s.hits, s.misses) == (lru.hits, lru.misses)
+    # counter for counter where nothing loaded; a loaded guess evicts one expert, which can cost a miss later
+    assert s.hits + s.misses == lru.hits + lru.misses
+    assert abs(s.misses - lru.misses) <= 2 * planner.decisions["loaded"], (s.misses, lru.misses, planner.decisions)
     assert s.bytes_moved <= lru.bytes_moved + planner.decisions["loaded"] * store.expert_bytes()
     _, raw, _, _ = run(store, budget, ShuffledControl(seed=0))  # unplanned, the same guesses cost bytes
     assert raw.bytes_moved > lru.bytes_moved

@@ -13,6 +13,8 @@ from m2r2_mlx.decoding.stats import AnswerStats
 
 import pytest
 
+from .reference import plain_greedy_divergence
+
 # answers on which prompt lookup's drafts fail (lookup alone: 1.00-1.12 tokens per step on each, 48 tokens)
 NOVEL = [
     "Write a short story about a lighthouse keeper who finds a map.",
@@ -35,25 +37,21 @@ GEN = GenerationConfig(48)
 
 
 def run(lm, decode, prompt: str) -> tuple[list[int], AnswerStats, int | None]:
-    """One answer in a new conversation: its tokens, its stats, and the index of its first drafted token."""
+    """One answer in a new conversation (checked to be plain greedy's): its tokens, its stats, and the index of its
+    first drafted token."""
     stats, tokens, first = AnswerStats(), [], None
     for ev in ChatSession(lm, decoder=decode).send(prompt, GEN):
         stats.add(ev)
         tokens.append(ev.token)
         first = ev.index if first is None and ev.drafted else first
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    assert plain_greedy_divergence(lm, ids, tokens, GEN.max_tokens) is None
     return tokens, stats, first
 
 
-@pytest.fixture(scope="module")
-def plain_answers(lm):
-    plain = make_decoder(lm, "plain")
-    return {p: run(lm, plain, p)[0] for p in NOVEL + COPYING}
-
-
-def _copying_phase(lm, engine, plain_answers, within: int) -> None:
+def _copying_phase(lm, engine, within: int) -> None:
     for prompt in COPYING:
         tokens, stats, first = run(lm, engine, prompt)
-        assert tokens == plain_answers[prompt]
         assert first is not None and first <= within, f"first draft at token {first}"
         # a copied passage of ~44 tokens takes a fresh engine ~6-9 steps, plain decoding 44, and so did the locked-out
         # engine (26-36 after new answers, before issue 31). The planner prices steps by their timed costs, and
@@ -64,16 +62,15 @@ def _copying_phase(lm, engine, plain_answers, within: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_long_session_drafts_again_where_the_text_makes_it_pay(lm, plain_answers):
+def test_a_long_session_drafts_again_where_the_text_makes_it_pay(lm):
     engine = make_decoder(lm, "speculative")  # one engine for the whole session, as a chat keeps one
     for prompt in NOVEL:
-        tokens, stats, _ = run(lm, engine, prompt)
-        assert tokens == plain_answers[prompt]
-    _copying_phase(lm, engine, plain_answers, within=32)
+        run(lm, engine, prompt)
+    _copying_phase(lm, engine, within=32)
 
 
 @pytest.mark.slow
-def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, monkeypatch):
+def test_drafting_resumes_after_a_transient_slowdown(lm, monkeypatch):
     """Every forward delayed by 0.1 s (four plain steps) during the first answers (a busy machine: an engine that priced
     verification by what it cost then would never verify a draft again), then normal speed: the next answers
     where the text repeats draft again, at 2.5 tokens a step or more. (On new writing a long-lived engine rightly stops
@@ -87,9 +84,8 @@ def test_drafting_resumes_after_a_transient_slowdown(lm, plain_answers, monkeypa
 
     monkeypatch.setattr(PromptCache, "forward", slow_forward)
     for prompt in NOVEL[:2] + COPYING[:1]:
-        tokens, _, _ = run(lm, engine, prompt)
-        assert tokens == plain_answers[prompt]
+        run(lm, engine, prompt)
     monkeypatch.setattr(PromptCache, "forward", forward)
     for prompt in NOVEL[2:4]:
-        assert run(lm, engine, prompt)[0] == plain_answers[prompt]
-    _copying_phase(lm, engine, plain_answers, within=32)
+        run(lm, engine, prompt)
+    _copying_phase(lm, engine, within=32)

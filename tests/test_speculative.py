@@ -85,11 +85,19 @@ def test_cache_after_speculation_matches_plain(lm, tiny_m2r2):
         np.testing.assert_allclose(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def repeated_prompts(lm, tiny_m2r2) -> tuple[list, list]:
+    """Prompts that repeat themselves (prompt lookup has something to find), and plain greedy's answers to them."""
+    prompts = [p + p for p in _prompts(5, seed=3)]
+    return prompts, [
+        [e.token for e in generate(tiny_m2r2.base, lm.tokenizer, p, GenerationConfig(30))] for p in prompts
+    ]
+
+
 @pytest.mark.parametrize("kind", ["layerskip", "trimmed-vocab", "threshold", "lookup"])
-def test_every_drafter_is_lossless(lm, tiny_m2r2, kind):
+def test_every_drafter_is_lossless(lm, tiny_m2r2, repeated_prompts, kind):
     model, tok = tiny_m2r2.base, lm.tokenizer
-    prompts = [p + p for p in _prompts(5, seed=3)]  # repeats give prompt lookup something to find
-    plains = [[e.token for e in generate(model, tok, p, GenerationConfig(30))] for p in prompts]
+    prompts, plains = repeated_prompts
     emitted = sorted({t for p in plains for t in p})  # the trimmed head covers the tokens the model emits
     drafter = {
         "layerskip": LayerDrafter(tiny_m2r2, 1, adapters=False),
