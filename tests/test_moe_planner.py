@@ -45,10 +45,9 @@ def test_random_predictions_load_next_to_nothing_and_leave_lru_as_it_was(store, 
     planned_tokens, s, planner, _ = run(store, budget, ShuffledControl(seed=0), planned=True)
     assert tokens == planned_tokens == reference
     assert s.total("predicted") > 0 and planner.decisions["considered"] > 0
-    # the hit rate is read at its mean: at most one guess loads in each window the predictor runs (the governor's
-    # probes, whose number follows the wall clock's timings) before its miss is scored, then none
-    windows = planner.governor.windows["on"]
-    assert s.total("prefetch_loads") == planner.decisions["loaded"] <= windows <= N // 4
+    # the hit rate is read at its mean: a guess or two may load before their misses are scored, then none (however
+    # many windows the governor runs the predictor in: that follows the wall clock's timings)
+    assert s.total("prefetch_loads") == planner.decisions["loaded"] <= N // 8, planner.decisions
     # counter for counter where nothing loaded; a loaded guess evicts one expert, which can cost a miss later
     assert s.hits + s.misses == lru.hits + lru.misses
     assert abs(s.misses - lru.misses) <= 2 * planner.decisions["loaded"], (s.misses, lru.misses, planner.decisions)

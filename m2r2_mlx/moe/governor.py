@@ -5,7 +5,8 @@ A predictor costs compute every token (M2R2's fast stream: extra layer passes, o
 stall its prefetches hide. The governor measures both per decode step ("window": from one step's first MoE layer
 to the next's), relative to the plain step, as the speculative engine prices drafting:
 
-    cost     = compute (wall - stall) of a step with the predictor - that of a step without (the plain step)
+    cost     = compute (wall - stall) of a step with the predictor - that of a step without (the plain step),
+               at least 0 (the predictor only adds work)
     savings  = stall LRU alone would have had - the stall the step had
              = (prefetch hits - experts a prefetch evicted that came back on demand) x t
                - (stall - on-demand misses x t)              (late prefetches, landing copies, a queued link)
@@ -100,7 +101,9 @@ class PredictorGovernor:
                 self._spend(self.net())
             return
         saved = (hits - came_back) * t - (stall - misses * t)
-        cost = compute - self.compute_off
+        # the predictor only adds work: a step measured cheaper than the plain one is a slow baseline (the first
+        # decode step's warm-up, a busy machine), and a negative cost would keep a predictor that saves nothing on
+        cost = max(compute - self.compute_off, 0.0)
         self.savings, self.cost = self._avg(self.savings, saved), self._avg(self.cost, cost)
         if self._probe:
             self._spend(cost - saved)
