@@ -45,7 +45,8 @@ def run(lm, decode, prompt: str) -> tuple[list[int], AnswerStats, int | None]:
         tokens.append(ev.token)
         first = ev.index if first is None and ev.drafted else first
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    assert plain_greedy_divergence(lm, ids, tokens, GEN.max_tokens) is None
+    divergence = plain_greedy_divergence(lm, ids, tokens, GEN.max_tokens)
+    assert divergence is None, f"{prompt[:40]}: {divergence}"
     return tokens, stats, first
 
 
