@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from experiments import write_results
+
 ROUTER = r"""
 #include <dlfcn.h>
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
@@ -74,13 +76,23 @@ def load_router(blas: str) -> ctypes.CDLL:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         sys.exit("no C compiler (cc): this study compiles its routing library; install gcc or clang")
-    folder = Path(tempfile.mkdtemp(prefix="gemv_rows-"))
-    (folder / "router.c").write_text(ROUTER)
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", folder / "router.c", "-o", folder / "router.so", "-ldl"], check=True)
-    router = ctypes.CDLL(str(folder / "router.so"), mode=ctypes.RTLD_GLOBAL)
-    library = ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
+    if not Path(blas).is_file():
+        sys.exit(f"--blas {blas}: no such file; give a libopenblas.so.0 (Debian: libopenblas0-pthread)")
+    with tempfile.TemporaryDirectory(prefix="gemv_rows-") as folder:  # loaded libraries outlive their files
+        source, built = Path(folder) / "router.c", Path(folder) / "router.so"
+        source.write_text(ROUTER)
+        compiled = subprocess.run(
+            [cc, "-O2", "-shared", "-fPIC", source, "-o", built, "-ldl"], capture_output=True, text=True
+        )
+        if compiled.returncode != 0:
+            sys.exit(f"{cc} could not build the routing library: {(compiled.stderr.strip().splitlines() or ['?'])[0]}")
+        router = ctypes.CDLL(str(built), mode=ctypes.RTLD_GLOBAL)
+    try:
+        library = ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        sys.exit(f"--blas {blas}: not a loadable library ({e})")
     if not router.bind_blas(ctypes.c_void_p(library._handle)):
-        sys.exit(f"{blas} has no cblas_sgemm and cblas_sgemv")
+        sys.exit(f"--blas {blas}: has no cblas_sgemm and cblas_sgemv")
     os.environ["M2R2_BLAS"] = "reference"  # m2r2 must not preload another BLAS: this one is bound already
     return router
 
@@ -91,7 +103,6 @@ def main() -> None:
     switch = ctypes.c_int.in_dll(router, "gemv_rows")
 
     import m2r2_mlx  # noqa: F401  (after the router: libmlx binds cblas_sgemm when mlx.core loads)
-    from m2r2_mlx.atomic import atomic_write_text
     from m2r2_mlx.decoding.config import GenerationConfig
     from m2r2_mlx.decoding.generate import generate
     from m2r2_mlx.models.registry import load_model
@@ -125,10 +136,7 @@ def main() -> None:
         f"Products routed: {routed}. Tokens equal with and without routing: {tokens[0] == tokens[1]}.",
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out / "results.md", text)
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":

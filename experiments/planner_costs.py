@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS)
-from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import DecodeConfig, GenerationConfig
 from m2r2_mlx.decoding.drafters import ForcedDrafter
@@ -27,6 +26,7 @@ from m2r2_mlx.models.registry import load_model
 
 from tqdm.auto import tqdm
 
+from experiments import write_results
 from experiments.cost_tables import TABLES, CostTable, ModelledClock, priced
 from m2r2_bench.questions import ORDERS, ordered, select_questions
 
@@ -130,10 +130,7 @@ def main() -> None:
         lines += ["", f"Answers equal to plain's: {', '.join(same)}.", ""]
         print("\n".join(lines[-len(cats) - 8 :]), file=sys.stderr)
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out / "results.md", text)
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS)
-from m2r2_mlx.atomic import atomic_write_text
 from m2r2_mlx.decoding.chat import ChatSession
 from m2r2_mlx.decoding.config import GenerationConfig
 from m2r2_mlx.decoding.methods import make_decoder
@@ -27,6 +26,7 @@ from m2r2_mlx.tracing import Tracer
 
 from tqdm.auto import tqdm
 
+from experiments import write_results
 from m2r2_bench.questions import ORDERS, ordered, select_questions
 
 
@@ -81,10 +81,7 @@ def main() -> None:
         ratio = medians["speculative"] / medians["lookup"] if all(medians.values()) else None
         lines.append(f"| {shape} | {cells[0]} | {cells[1]} | {f'{ratio:.3f}' if ratio else '-'} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out / "results.md", text)
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":
