@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -64,16 +64,29 @@ class Sampler:
         return self.sampling.sampler()(logprobs)
 
 
+PROCESSOR_FIELDS = (  # the Sampling fields make_logits_processors sets
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "logit_bias",
+)
+
+
 @dataclass(frozen=True)
 class LogitsProcessors:
-    """mlx-lm's repetition penalty (make_logits_processors), readable by speculative decoding."""
+    """mlx-lm's logit bias and penalties (make_logits_processors), readable by speculative decoding: a Sampling
+    that sets only those fields."""
 
-    repetition_penalty: float = 1.0
-    repetition_context_size: int = Sampling.repetition_context_size
+    sampling: Sampling
 
     def __iter__(self):
-        s = Sampling(repetition_penalty=self.repetition_penalty, repetition_context_size=self.repetition_context_size)
-        return iter(s.processors())
+        bias = self.sampling.biased
+        return iter(
+            ([lambda tokens, logits: bias(logits)] if self.sampling.logit_bias else []) + self.sampling.processors()
+        )
 
 
 def make_sampler(
@@ -94,14 +107,25 @@ def make_sampler(
 def make_logits_processors(
     logit_bias: dict | None = None,
     repetition_penalty: float | None = None,
-    repetition_context_size: int | None = Sampling.repetition_context_size,
-    **unsupported,
+    repetition_context_size: int | None = 20,
+    presence_penalty: float | None = None,
+    presence_context_size: int | None = 20,
+    frequency_penalty: float | None = None,
+    frequency_context_size: int | None = 20,
 ) -> LogitsProcessors:
-    """mlx_lm.sample_utils.make_logits_processors's repetition penalty (logit bias and presence or frequency
-    penalties are not supported)."""
-    if logit_bias or any(v for v in unsupported.values()):
-        raise M2R2Error("make_logits_processors: only the repetition penalty is supported")
-    return LogitsProcessors(repetition_penalty or 1.0, repetition_context_size or Sampling.repetition_context_size)
+    """mlx_lm.sample_utils.make_logits_processors's arguments (None: off; sizes default to mlx-lm's 20)."""
+    d = Sampling()
+    return LogitsProcessors(
+        Sampling(
+            repetition_penalty=repetition_penalty or 1.0,
+            repetition_context_size=repetition_context_size or d.repetition_context_size,
+            presence_penalty=presence_penalty or 0.0,
+            presence_context_size=presence_context_size or d.presence_context_size,
+            frequency_penalty=frequency_penalty or 0.0,
+            frequency_context_size=frequency_context_size or d.frequency_context_size,
+            logit_bias=logit_bias or (),
+        )
+    )
 
 
 def _remember(lm: LoadedModel) -> LoadedModel:
@@ -145,8 +169,8 @@ def _sampling(sampler, logits_processors) -> Sampling:
         )
     s = sampler.sampling if sampler is not None else Sampling()
     if logits_processors:
-        lp = logits_processors
-        s = Sampling(s.temperature, s.top_p, s.top_k, s.min_p, lp.repetition_penalty, lp.repetition_context_size)
+        p = logits_processors.sampling
+        s = replace(s, **{f: getattr(p, f) for f in PROCESSOR_FIELDS})
     return s
 
 

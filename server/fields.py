@@ -18,6 +18,7 @@ from .tools import CHOICES, ToolFormat
 
 MAX_TOP_LOGPROBS = {"chat": MAX_CHAT, "text": 5}  # top_logprobs (chat), logprobs (text), as OpenAI's API
 MAX_TOOLS = 128  # functions in one request, as OpenAI's API
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias: a bound on what a request makes the server hold
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for a function's name (dots allowed, as vLLM)
 
 
@@ -167,6 +168,25 @@ def parse_response_format(body: dict, loop_guard: bool = True) -> Grammar | None
         return json_schema_grammar(spec["schema"], loop_guard)
     except M2R2Error as e:
         raise RequestError(f"response_format.json_schema.schema: {e}", "response_format.json_schema") from None
+
+
+def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as strings, JSON's keys) to a number from -100 to 100 added to the
+    token's logit; () when absent."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    rule = "'logit_bias' must map token ids (as strings) to numbers from -100 to 100"
+    if not isinstance(bias, dict):
+        raise RequestError(rule, "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and is_a(value, float) and -100 <= value <= 100):
+            raise RequestError(f"{rule} (got {json.dumps(key)}: {json.dumps(value)})"[:300], "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def parse_logprobs(body: dict, kind: str) -> int | None:

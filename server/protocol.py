@@ -11,7 +11,15 @@ from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions, Option, OptionEr
 from m2r2_mlx.decoding.stats import AnswerStats
 
 from .errors import RequestError
-from .fields import is_a, parse_logprobs, parse_loop_guard, parse_response_format, parse_tool_calls, parse_tools
+from .fields import (
+    is_a,
+    parse_logit_bias,
+    parse_logprobs,
+    parse_loop_guard,
+    parse_response_format,
+    parse_tool_calls,
+    parse_tools,
+)
 from .tools import PROMPTED, ToolFormat
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -24,9 +32,6 @@ UNSUPPORTED = {
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "functions": ([],),
 }
 
@@ -180,7 +185,8 @@ def parse_request(
         )
     if offer is not None:
         grammar = offer.grammar(tool_format, loop_guard)
-    generation = replace(options.generation, grammar=grammar, logprobs=parse_logprobs(body, kind))
+    sampling = replace(options.generation.sampling, logit_bias=parse_logit_bias(body))
+    generation = replace(options.generation, sampling=sampling, grammar=grammar, logprobs=parse_logprobs(body, kind))
     req = Request(
         kind,
         replace(options, generation=generation),

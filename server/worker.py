@@ -194,6 +194,12 @@ class ModelWorker:
         self.decoders.move_to_end(key)
         return self.decoders[key]
 
+    def check_ids(self, ids, field: str) -> None:
+        """A 400 where ``ids`` (token ids the request sent in ``field``) go beyond the model's vocabulary."""
+        vocab = int(self.lm.config.get("vocab_size") or 0)
+        if vocab and ids and max(ids) >= vocab:
+            raise RequestError(f"'{field}' holds token ids beyond the vocabulary ({vocab} tokens)", field)
+
     def prompt_tokens(self, req: Request) -> list[int]:
         if req.kind == "chat":
             self.session.messages = req.messages
@@ -203,15 +209,14 @@ class ModelWorker:
                 raise RequestError(f"the model's chat template cannot render these messages: {e}", "messages")
         self.session.messages = []  # a completion has no history: the list would grow by one answer per request
         if isinstance(req.prompt, list):
-            vocab = int(self.lm.config.get("vocab_size") or 0)
-            if vocab and max(req.prompt) >= vocab:
-                raise RequestError(f"'prompt' holds token ids beyond the vocabulary ({vocab} tokens)", "prompt")
+            self.check_ids(req.prompt, "prompt")
             return list(req.prompt)
         return list(self.lm.tokenizer.encode(req.prompt))
 
     def _serve(self, job: Job) -> None:
         req = job.request
         prompt = self.prompt_tokens(req)
+        self.check_ids([i for i, _ in req.options.generation.sampling.logit_bias], "logit_bias")
         check_context(len(prompt), self.lm.context_length)
         decode = self.decoder(req.options.decode)
         stats, finish = AnswerStats(), None

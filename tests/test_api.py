@@ -86,3 +86,44 @@ def test_samplers_and_processors(lm, france_prompt):
         next(m2r2_mlx.stream_generate(model, tokenizer, france_prompt, sampler=lambda logprobs: logprobs.argmax()))
     with pytest.raises(M2R2Error, match="does not take draft_model"):
         next(m2r2_mlx.stream_generate(model, tokenizer, france_prompt, draft_model=model))
+
+
+@pytest.mark.slow
+def test_penalties_and_logit_bias_decode_as_mlx_lm_and_losslessly(lm):
+    """OpenAI's presence and frequency penalties and logit bias, as mlx-lm applies them (its own processors, over
+    the last tokens): plain greedy decoding gives mlx-lm's tokens, and the lossless methods give plain's, drafts
+    accepted under each position's own history. The bias and penalties change the answer (the test can fail)."""
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+    from mlx_lm.sample_utils import make_logits_processors as mlx_lm_processors
+
+    model, tokenizer = m2r2_mlx.load("smollm2")
+    prompt = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat this list three times: apple, banana, cherry, date, elderberry."}],
+        add_generation_prompt=True,
+    )
+    unbiased = [r.token for r in m2r2_mlx.stream_generate(model, tokenizer, prompt, max_tokens=40, method="plain")]
+    settings = dict(
+        logit_bias={unbiased[2]: -100.0, unbiased[5]: -100.0, unbiased[7]: 2.5},  # tokens after the first
+        presence_penalty=1.5,
+        presence_context_size=12,
+        frequency_penalty=0.8,
+        repetition_penalty=1.05,
+    )
+    theirs = [
+        r.token
+        for r in mlx_lm_stream_generate(model, tokenizer, prompt, 40, logits_processors=mlx_lm_processors(**settings))
+    ]
+    assert theirs != unbiased
+    ours = m2r2_mlx.make_logits_processors(**settings)
+    for method in ("plain", "speculative", "lookup"):
+        out = list(
+            m2r2_mlx.stream_generate(model, tokenizer, prompt, max_tokens=40, method=method, logits_processors=ours)
+        )
+        assert [r.token for r in out] == theirs, method
+        if method != "plain":
+            assert any(r.from_draft for r in out), method  # verification accepted drafts under the penalties
+    with pytest.raises(M2R2Error, match="beyond the vocabulary"):
+        biased = m2r2_mlx.make_logits_processors(logit_bias={10**6: 1.0})
+        next(m2r2_mlx.stream_generate(model, tokenizer, prompt, max_tokens=4, logits_processors=biased))
+    with pytest.raises(M2R2Error, match="^presence_penalty must be a finite number"):
+        m2r2_mlx.make_logits_processors(presence_penalty=float("nan"))

@@ -70,6 +70,6 @@ def test_every_read_in_the_decoding_loops_is_counted():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     allowed = {
         "ctx[starts[-1] + n:starts[-1] + n + limit].tolist()",
-        "context[:-1][-s.repetition_context_size:].tolist()",
+        "context[:-1][-s.history_size:].tolist()",
     }
     assert [f for f in found if f.split(" ", 1)[1] not in allowed] == []

@@ -180,10 +180,29 @@ def test_sampler_fields_pass_through(server):
 
 
 @pytest.mark.slow
-def test_speculative_with_a_repetition_penalty_is_lossless(server):
+def test_speculative_with_penalties_and_a_logit_bias_is_lossless(server, lm):
+    """OpenAI's presence and frequency penalties and logit bias, sent by OpenAI's own client, change the answer
+    (no loop of ones), and the speculative method gives plain decoding's answer under them and under a repetition
+    penalty."""
     client = _client(server)
-    plain = _ask(client, COOK, max_tokens=60, repetition_penalty=1.1)
-    assert _ask(client, COOK, max_tokens=60, repetition_penalty=1.1, mode="speculative") == plain
+
+    def ask(method: str, **fields) -> str:
+        r = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": COOK}],
+            max_tokens=60,
+            extra_body={"method": method, **fields.pop("extra", {})},
+            **fields,
+        )
+        return r.choices[0].message.content
+
+    (one,) = lm.tokenizer.encode("1")
+    openai = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={str(one): -5})
+    plain = ask("plain", **openai)
+    assert "1111" not in plain and plain != ask("plain")
+    assert ask("speculative", **openai) == plain
+    plain = ask("plain", extra={"repetition_penalty": 1.1})
+    assert ask("speculative", extra={"repetition_penalty": 1.1}) == plain
 
 
 BAD = [
@@ -208,6 +227,12 @@ BAD = [
         400,
         "repeat_penalty",
     ),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"cat": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"900000": 1}}, 400, "logit_bias"),  # beyond the vocabulary
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": "high"}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_context_size": 0}, 400, "frequency_context_size"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 9000}, 400, None),  # over the model's context

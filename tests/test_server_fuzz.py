@@ -68,6 +68,8 @@ FIELDS = {
                    | st.fixed_dictionaries({"type": st.just("function"),
                                             "function": st.fixed_dictionaries({"name": st.text(max_size=6)})})
                    | JSON,
+    "logit_bias": st.dictionaries(st.text(max_size=6) | st.integers(0, 60_000).map(str), NUMBERS, max_size=4)
+                  | JSON,
     **{name: st.sampled_from(list(neutral)) | JSON for name, neutral in UNSUPPORTED.items()},
     **{f: (NAMES if o.type is str else NUMBERS if o.type in (int, float) else st.booleans()) | JSON
        for o in OPTIONS for f in o.fields},
@@ -80,6 +82,9 @@ PLAUSIBLE = {  # values a real client sends: these bodies mostly pass the parser
     "top_k": st.integers(0, 200),
     "min_p": st.floats(0, 1),
     "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 49_151).map(str), st.floats(-100, 100), max_size=3),
     "seed": st.integers(0, 2**64 - 1),
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
     "stream": st.booleans(),

@@ -4,8 +4,8 @@ A tiny 12-token model makes the exact distribution of the first three answer tok
 computable (1,728 outcomes). Speculative sampling with M2R2 drafts (q != p; also with a
 confidence threshold that ends the chain), with prompt-lookup drafts, and with hybrid drafts
 (lookup's copy, then the fast stream's samples after it, chosen by the cost planner or not)
-must match it within the sampling noise of N draws, also under top-k, min-p and a repetition
-penalty (whose target depends on each row's history); a verifier that skips the rejection
+must match it within the sampling noise of N draws, also under top-k, min-p, a logit bias and the repetition,
+presence and frequency penalties (whose target depends on each row's history); a verifier that skips the rejection
 step must not (the test can fail).
 """
 
@@ -44,10 +44,10 @@ def setup(lm):
 
 def exact_joint(model, s: Sampling) -> np.ndarray:
     """P(t1, t2, t3) for the answer's first three tokens, by enumeration (row by row when the target reads the
-    history: a repetition penalty)."""
+    history: a penalty)."""
     pairs = np.array([(a, b) for a in range(V) for b in range(V)])
     ids = np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1)
-    logits = model(mx.array(ids))
+    logits = s.biased(model(mx.array(ids)))
     n = len(PROMPT)
 
     def probs(rows: mx.array, upto: int) -> np.ndarray:  # (len(pairs), V): the target after ids[:, :upto]
@@ -93,18 +93,29 @@ def tv_bound(p: np.ndarray, trials: int = 2000) -> float:
 
 def accept_every_draft(logits, draft, s, history=(), constraint=None, logprobs=False):  # no rejection step
     context = list(history) + draft.tokens
-    return Verified(len(draft) - 1, sample_from(sampling_probs(logits[-1], s, context)))
+    return Verified(len(draft) - 1, sample_from(sampling_probs(s.biased(logits[-1]), s, context)))
 
 
 CONFIGS = [
     Sampling(1.0, 1.0),
     Sampling(0.8, 0.9),
-    Sampling(1.0, top_k=6, min_p=0.03, repetition_penalty=1.5, repetition_context_size=4),
+    Sampling(
+        1.0,
+        top_k=6,
+        min_p=0.03,
+        repetition_penalty=1.5,
+        repetition_context_size=4,
+        presence_penalty=0.7,
+        presence_context_size=3,
+        frequency_penalty=0.4,
+        frequency_context_size=5,
+        logit_bias={2: 1.5, 7: -2.0},
+    ),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("s", CONFIGS, ids=["temp1", "temp0.8-top_p0.9", "top_k-min_p-repetition"])
+@pytest.mark.parametrize("s", CONFIGS, ids=["temp1", "temp0.8-top_p0.9", "top_k-min_p-penalties-bias"])
 def test_speculative_sampling_matches_the_base_distribution(setup, s, monkeypatch):
     model, m2r2, tok = setup
     p = exact_joint(model, s)

@@ -100,13 +100,14 @@ def verify(
     logprobs: bool = False,
 ) -> Verified:
     """The accepted prefix of ``draft`` (``logits`` (N, vocab): the full model's at every position) and the token
-    the full model emits after it. ``history``: the sequence before the root (for a repetition penalty);
+    the full model emits after it. ``history``: the sequence before the root (for the penalties);
     ``constraint``: the answer's grammar just after the root, which masks each target and follows the accepted
     drafts. Greedy: a draft is accepted where it equals the argmax. Sampled (docs/speculative.md, "Lossless,
     tested"): a draft x drawn from law q is accepted with probability min(1, p(x) / q(x)), q one-hot for a
     deterministic draft; at the first rejection the token is drawn from norm(max(p - q, 0)).
     """
     history, rows = list(history), [] if logprobs else None
+    logits = s.biased(logits)  # every position's target starts from the biased logits, as plain decoding's
     per_position = s.reads_history or constraint is not None
     batch = None  # every position's log-probabilities at once, where no position's depends on the ones before
     if logprobs and not per_position:

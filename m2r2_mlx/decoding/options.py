@@ -169,6 +169,40 @@ OPTIONS = (
         ("repetition_context_size", "repeat_last_n"),
         target="sampling",
     ),
+    # OpenAI's penalties, as mlx-lm applies them: over the last tokens only (its context sizes)
+    Option(
+        "presence_penalty",
+        ("--presence-penalty",),
+        float,
+        "subtract this from the logit of every token seen in the last --presence-context-size tokens (0 = off)",
+        ("presence_penalty",),
+        target="sampling",
+    ),
+    Option(
+        "presence_context_size",
+        ("--presence-context-size",),
+        int,
+        "tokens the presence penalty looks back over",
+        ("presence_context_size",),
+        target="sampling",
+    ),
+    Option(
+        "frequency_penalty",
+        ("--frequency-penalty",),
+        float,
+        "subtract this from a token's logit for every time it appears in the last --frequency-context-size tokens "
+        "(0 = off)",
+        ("frequency_penalty",),
+        target="sampling",
+    ),
+    Option(
+        "frequency_context_size",
+        ("--frequency-context-size",),
+        int,
+        "tokens the frequency penalty looks back over",
+        ("frequency_context_size",),
+        target="sampling",
+    ),
     Option("seed", ("--seed",), int, "random seed for sampling", ("seed",), target="generation"),
     # mlx-lm's KV-cache options; a server's are its flags (one cache serves every request)
     Option(

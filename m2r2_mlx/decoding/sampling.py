@@ -1,14 +1,16 @@
 """Token distributions and the verification rule of speculative decoding.
 
-The target distribution is exactly what plain sampling draws from, built from mlx-lm's own pieces: the logits
-processors (repetition penalty, over the last tokens of the sequence) on the raw logits, log-probabilities,
-then the sampler's filters in its order (top-p, min-p, top-k) and the temperature. Speculative sampling
+The target distribution is exactly what plain sampling draws from, built from mlx-lm's own pieces: the logit
+bias and the logits processors (repetition, presence and frequency penalties, over the last tokens of the
+sequence) on the raw logits, log-probabilities, then the sampler's filters in its order (top-p, min-p, top-k) and
+the temperature. Speculative sampling
 therefore reproduces plain sampling's distribution, not a variant, and greedy speculative decoding takes the
 argmax of the same processed logits as greedy plain decoding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -17,7 +19,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from .. import host
-from ..errors import check, is_int, is_number
+from ..errors import M2R2Error, check, is_int, is_number
 
 if TYPE_CHECKING:
     from .grammar import Constraint
@@ -31,8 +33,16 @@ class Sampling:
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
     repetition_context_size: int = 20  # mlx-lm's default
+    presence_penalty: float = 0.0  # 0: off; subtracted once from each token seen in its context
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # 0: off; subtracted for every time a token was seen in its context
+    frequency_context_size: int = 20
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a mapping is accepted
 
     def __post_init__(self):
+        if isinstance(self.logit_bias, Mapping):  # kept as pairs: the config stays immutable and hashable
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        bias = self.logit_bias
         check(
             self,
             {
@@ -51,8 +61,33 @@ class Sampling:
                     is_int(self.repetition_context_size) and self.repetition_context_size >= 1,
                     "must be at least 1",
                 ),
+                "presence_penalty": (is_number(self.presence_penalty), "must be a finite number (0 = off)"),
+                "presence_context_size": (
+                    is_int(self.presence_context_size) and self.presence_context_size >= 1,
+                    "must be at least 1",
+                ),
+                "frequency_penalty": (is_number(self.frequency_penalty), "must be a finite number (0 = off)"),
+                "frequency_context_size": (
+                    is_int(self.frequency_context_size) and self.frequency_context_size >= 1,
+                    "must be at least 1",
+                ),
+                "logit_bias": (
+                    isinstance(bias, tuple)
+                    and all(
+                        isinstance(b, tuple)
+                        and len(b) == 2
+                        and is_int(b[0])
+                        and b[0] >= 0
+                        and is_number(b[1])
+                        and -100 <= b[1] <= 100
+                        for b in bias
+                    )
+                    and len({b[0] for b in bias}) == len(bias),
+                    "must map token ids (0 or more, each once) to numbers from -100 to 100",
+                ),
             },
         )
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias)))  # one order for equal settings
 
     @property
     def greedy(self) -> bool:
@@ -60,16 +95,44 @@ class Sampling:
 
     @property
     def reads_history(self) -> bool:
-        """The target distribution depends on the tokens before it (a repetition penalty)."""
-        return self.repetition_penalty != 1.0
+        """The target distribution depends on the tokens before it (a penalty)."""
+        return self.history_size > 0
+
+    @property
+    def history_size(self) -> int:
+        """How many of the latest tokens the penalties read (0: none is on)."""
+        sizes = [
+            (self.repetition_penalty != 1.0, self.repetition_context_size),
+            (self.presence_penalty != 0.0, self.presence_context_size),
+            (self.frequency_penalty != 0.0, self.frequency_context_size),
+        ]
+        return max((size for on, size in sizes if on), default=0)
 
     def processors(self) -> list:
-        """mlx-lm's logits processors for these options: what plain decoding applies to the raw logits."""
+        """mlx-lm's logits processors for the penalties: what plain decoding applies to the biased logits."""
         if not self.reads_history:
             return []
-        return make_logits_processors(
-            repetition_penalty=self.repetition_penalty, repetition_context_size=self.repetition_context_size
+        return make_logits_processors(  # a penalty at its neutral value adds no processor
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty != 1.0 else None,
+            repetition_context_size=self.repetition_context_size,
+            presence_penalty=self.presence_penalty,
+            presence_context_size=self.presence_context_size,
+            frequency_penalty=self.frequency_penalty,
+            frequency_context_size=self.frequency_context_size,
         )
+
+    def biased(self, logits: mx.array) -> mx.array:
+        """``logits`` (last axis: the vocabulary) with the logit bias added, as mlx-lm's first logits processor
+        does; where a token id is beyond the vocabulary, one line says so."""
+        if not self.logit_bias:
+            return logits
+        ids, values = zip(*self.logit_bias)  # sorted by id
+        if ids[-1] >= logits.shape[-1]:
+            raise M2R2Error(
+                f"logit_bias names token {ids[-1]}, beyond the vocabulary ({logits.shape[-1]} tokens); "
+                "use ids the model's tokenizer gives"
+            )
+        return logits.at[..., mx.array(ids)].add(mx.array(values))
 
     def sampler(self):
         """mlx-lm's sampler for these options (argmax when greedy)."""
@@ -85,7 +148,7 @@ class NextToken:
     sampler's temperature and filters), built only when asked for."""
 
     def __init__(self, s: Sampling, history: Sequence[int], constraint: Constraint | None = None):
-        self.sampler, self.processors, self.size = s.sampler(), s.processors(), s.repetition_context_size
+        self.sampler, self.processors, self.size, self.biased = s.sampler(), s.processors(), s.history_size, s.biased
         recent = np.asarray(history[-self.size :] if len(history) else [], np.int32)
         self.history = mx.array(recent) if self.processors else None
         self.constraint = constraint
@@ -101,6 +164,7 @@ class NextToken:
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The token after the sequence, from its logits (V,)."""
+        logits = self.biased(logits)
         if self.constraint is not None:
             logits = self.constraint.at(self.sequence).mask(logits)
         logits = logits[None]
@@ -116,11 +180,11 @@ class NextToken:
 
 
 def processed_logprobs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:
-    """Log-probabilities (float32, last axis) after the logits processors, for one position whose sequence so far
-    is ``history`` (only read with a repetition penalty); ``logits`` (V,) or (1, V)."""
+    """Log-probabilities (float32, last axis) after the penalties, for one position whose sequence so far is
+    ``history`` (only read with a penalty); ``logits`` (V,) or (1, V), the logit bias already added."""
     x = logits.astype(mx.float32).reshape(1, -1)
     if s.reads_history and len(history):
-        tokens = history if isinstance(history, mx.array) else mx.array(list(history)[-s.repetition_context_size :])
+        tokens = history if isinstance(history, mx.array) else mx.array(list(history)[-s.history_size :])
         for process in s.processors():
             x = process(tokens, x)
     return (x - mx.logsumexp(x, axis=-1, keepdims=True))[0]
@@ -138,8 +202,9 @@ def filtered_probs(logprobs: mx.array, s: Sampling) -> mx.array:
 
 
 def sampling_probs(logits: mx.array, s: Sampling, history: Sequence[int] | mx.array = ()) -> mx.array:
-    """Probabilities (float32) that plain sampling with ``s`` draws the next token from; ``logits`` may hold
-    several rows (then without history: a repetition penalty needs one row at a time)."""
+    """Probabilities (float32) that plain sampling with ``s`` draws the next token from, given logits with the
+    logit bias already added (``Sampling.biased``); ``logits`` may hold several rows (then without history: a
+    penalty needs one row at a time)."""
     if s.reads_history and len(history):
         return filtered_probs(processed_logprobs(logits, s, history), s)
     x = logits.astype(mx.float32)

@@ -116,7 +116,7 @@ class Speculator:
     def verify_step(self, cache: PromptCache, draft: Draft, s: Sampling, constraint, rows: bool, context) -> Verified:
         """One forward of the full model over ``draft``; the cache keeps the accepted prefix, as if it had been
         decoded token by token. ``context``: every token so far, ending with the draft's root."""
-        history = context[:-1][-s.repetition_context_size :].tolist() if s.reads_history else ()  # all it reads
+        history = context[:-1][-s.history_size :].tolist() if s.reads_history else ()  # all it reads
         if constraint is not None:  # just after the root
             constraint.at(context)
         logits = cache.forward(draft.ids())
