@@ -53,7 +53,7 @@ def exit_walker(
             h = self._slow(h, start, stop)
             return h, h[:, -1:], stop
 
-        def exits(self, j: int, logits: mx.array, h_exit: mx.array, trail: list, index: int) -> bool:
-            return True if schedule else super().exits(j, logits, h_exit, trail, index)
+        def exits(self, j: int, logits: mx.array, h_exit: mx.array, trail: list) -> bool:
+            return True if schedule else super().exits(j, logits, h_exit, trail)
 
     return Variant

@@ -125,7 +125,19 @@ class ModelWorker:
         return self.lm
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        """Refuse the requests still queued (a 503 each), then end the thread after the answer in progress; with a
+        full queue a plain put would wait for every queued answer to be decoded."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._fail(job, RequestError("the server is shutting down", status=503, kind="server_error"))
+        try:
+            self.jobs.put(None, timeout=5)
+        except queue.Full:  # requests queued meanwhile: the thread is a daemon and ends with the process
+            pass
         self.thread.join(timeout=30)
 
     def _run(self) -> None:

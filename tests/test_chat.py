@@ -69,6 +69,12 @@ def test_save_load_roundtrip_and_no_overwrite(lm, tmp_path):
     with pytest.raises(M2R2Error, match="not a saved conversation"):
         t.load(tmp_path / "junk.json")
     assert t.messages == s.messages  # a bad file changes nothing
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(M2R2Error, match="^cannot read .*folder"):  # a folder is one line, not a traceback
+        t.load(tmp_path / "folder")
+    with pytest.raises(M2R2Error, match="^cannot write .*folder"):
+        s.save(tmp_path / "folder", overwrite=True)
+    assert t.messages == s.messages
 
 
 def test_empty_and_oversized_messages(lm):

@@ -130,7 +130,7 @@ def test_modes_switch_live_and_keep_the_conversation(lm):
             assert "L30" in str(app.query_one("#hist", Static).render())
             assert "early-exit" in str(app.query_one("#stats", Static).render())
             await _ask_command(pilot, app, "/method warp")
-            assert any("unknown method" in str(w.render()) for w in app.query(".notice").results(Static))
+            assert any("'warp' is unknown" in str(w.render()) for w in app.query(".notice").results(Static))
             assert [m["role"] for m in app.session.messages] == ["user", "assistant"] * 2
             assert plain_answer == app.session.messages[1]["content"]
 

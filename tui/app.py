@@ -46,7 +46,10 @@ class MLXThread:
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            job()
+            try:
+                job()
+            except Exception:  # its own handler failed (the app closing): the thread lives on for the next job
+                pass
 
     def submit(self, job: Callable[[], None]) -> None:
         self.jobs.put(job)
@@ -125,6 +128,9 @@ class ChatApp(App):
         except M2R2Error as e:
             self.call_from_thread(self._post, f"error: {e}", "notice")
             return
+        except Exception as e:  # a bug: said in one line rather than a screen that waits forever
+            self.call_from_thread(self._post, f"error: could not load the model ({type(e).__name__}: {e})", "notice")
+            return
         self.lm = lm
         self.call_from_thread(self._model_ready)
 
@@ -159,7 +165,8 @@ class ChatApp(App):
             self.notify("wait for the answer to finish (Esc cancels it)")
             return
         if method not in LIVE_METHODS:
-            self._post(f"error: unknown method {method!r}; choose one of {', '.join(LIVE_METHODS)}", "notice")
+            why = "is not switched to live; restart with --method " + method if method in METHODS else "is unknown"
+            self._post(f"error: method {method!r} {why}; live: {', '.join(LIVE_METHODS)}", "notice")
             return
         tau = None if tau is None else min(max(tau, 0.0), 1.01)
         self.mlx.submit(lambda: self._job_switch(method, tau))
@@ -281,6 +288,8 @@ class ChatApp(App):
                 stream.close()  # the session records the partial answer; the cache stays consistent
         except M2R2Error as e:
             note = f"error: {e}"
+        except Exception as e:  # a bug: the chat says so in one line and takes the next message
+            note = f"error: the answer failed ({type(e).__name__}: {e})"
         self.call_from_thread(self._stream_finished, widget, stats, note)
 
     def _stream_progress(self, widget: Static, text: Text, stats: AnswerStats) -> None:
@@ -290,7 +299,10 @@ class ChatApp(App):
 
     def _stream_finished(self, widget: Static, stats: AnswerStats, note: str | None) -> None:
         self.streaming = False
-        self._show_markdown(widget, self.session.last_answer)
+        if stats.tokens:
+            self._show_markdown(widget, self.session.last_answer)
+        else:  # refused before a token (a prompt over the context): no answer to show, not the previous one
+            widget.remove()
         if note:
             self._post(note, "notice")
         self._update_stats(stats)

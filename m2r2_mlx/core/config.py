@@ -30,7 +30,7 @@ class AdapterMetrics:
     exit_auc: dict = field(default_factory=dict)
 
     KEYS = ("heldout_agreement", "exit_auc")
-    LEGACY = {"m2r2": "fast", "naive": "layerskip"}  # the names folders written before 0.3 use
+    LEGACY = {"m2r2": "fast", "naive": "layerskip"}  # the names folders written before 6978afe use
 
     def __post_init__(self):
         rename = lambda d: {self.LEGACY.get(k, k): v for k, v in d.items()}  # noqa: E731

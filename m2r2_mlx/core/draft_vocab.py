@@ -58,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Write ADAPTERS/draft_vocab.json.")
     p.add_argument("adapters", help="adapters folder to write draft_vocab.json into")
     p.add_argument("--data", required=True, help="token rows (.npy, as m2r2-train caches them in OUT/data.npy)")
-    p.add_argument("--vocab-size", type=int, default=None, help="default: from the adapters' base model config")
     return p
 
 
@@ -67,7 +66,7 @@ def _main() -> int:
     if not Path(args.data).is_file():
         raise M2R2Error(f"{args.data} not found; point --data at a data.npy written by m2r2-train")
     rows = np.load(args.data)
-    tokens, cover = rank_tokens(rows, args.vocab_size or int(rows.max()) + 1)
+    tokens, cover = rank_tokens(rows, int(rows.max()) + 1)  # tokens never seen are never ranked
     out = save_draft_vocab(args.adapters, tokens, cover, source=f"{Path(args.data).name}: {rows.size} tokens")
     print(f"wrote {out}: {len(tokens)} distinct tokens; top 4096 cover {100 * cover[min(4096, len(cover)) - 1]:.1f}%")
     return 0

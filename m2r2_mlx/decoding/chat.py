@@ -104,7 +104,10 @@ class ChatSession:
         if path.exists() and not overwrite:
             raise M2R2Error(f"{path} already exists; choose another name or overwrite it explicitly")
         data = {"model": self.lm.name, "messages": self.messages}
-        return atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+        try:
+            return atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+        except OSError as e:  # a folder, no permission, a full disk
+            raise M2R2Error(f"cannot write {path}: {e.strerror or e}; choose another path") from None
 
     def load(self, path: str | Path) -> None:
         path = Path(path).expanduser()
@@ -119,6 +122,8 @@ class ChatSession:
             )
         except FileNotFoundError:
             raise M2R2Error(f"conversation file {path} not found") from None
+        except OSError as e:  # a folder, no permission
+            raise M2R2Error(f"cannot read {path}: {e.strerror or e}") from None
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:

@@ -164,11 +164,10 @@ class EarlyExit:
         self.token_layers += stop - start
         return h, h_exit, start
 
-    def exits(self, j: int, logits: mx.array, h_exit: mx.array, trail: list, index: int) -> bool:
-        """Whether the token leaves at gate ``j`` (``trail``: what the rule keeps across a token's gates)."""
-        left = self.tracer.call("exit-rule", self.policy.rule, logits, h_exit, j, trail) >= self.taus[j]
-        self.verdicts[j] = left
-        return left
+    def exits(self, j: int, logits: mx.array, h_exit: mx.array, trail: list) -> bool:
+        """Whether the exit rule lets the token leave at gate ``j`` (``trail``: what the rule keeps across a token's
+        gates)."""
+        return self.tracer.call("exit-rule", self.policy.rule, logits, h_exit, j, trail) >= self.taus[j]
 
     def plain_next(self) -> bool:
         """Whether the next token runs the model's own forward: no gate pays for its check, none is pending."""
@@ -201,14 +200,13 @@ class EarlyExit:
             h, h_exit, pos = self.candidate(h, j)
             exit_logits = self.tracer.call("exit-head", head, h_exit) if head is not None else self.parts.head(h_exit)
             logits = exit_logits[0, -1]
-            if self.exits(j, logits, h_exit, trail, index):
-                full = head.full(logits) if head is not None else logits
-                if (
-                    head is not None
-                    and allowed is not None
-                    and not host.read(mx.any(mx.array(allowed) & (full > -mx.inf)))
-                ):
-                    continue  # the trimmed head scores none of the tokens the grammar allows
+            left = self.exits(j, logits, h_exit, trail)
+            full = head.full(logits) if head is not None and left else logits
+            if left and head is not None and allowed is not None:
+                # the trimmed head scores none of the tokens the grammar allows: the token goes on
+                left = bool(host.read(mx.any(mx.array(allowed) & (full > -mx.inf))))
+            self.verdicts[j] = left  # what the gate planner learns exit rates from: exits that happened
+            if left:
                 self._settle(h, pos)  # unfused, the token waits at the interval's start
                 self.h_prev = h_exit
                 return full, stop

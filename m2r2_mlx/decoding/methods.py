@@ -8,13 +8,15 @@ and planners themselves are one registry each (``DRAFTERS``, ``PLANNERS``).
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from ..core.adapters import load_adapters, new_m2r2
 from ..core.arla import ARLARule
-from ..core.config import M2R2Config
+from ..core.config import ADAPTERS_FILE, M2R2Config
 from ..core.draft_vocab import FILE, load_draft_vocab
 from ..core.hub import packaged_adapters, resolve_adapters, resolve_model_and_adapters
 from ..errors import M2R2Error
@@ -42,8 +44,26 @@ def adapters_folder(lm, adapters: str | Path | None = None, method: str = "this 
     return folder
 
 
+_LOADED: OrderedDict[tuple, tuple[weakref.ref, object]] = OrderedDict()  # the last KEEP_LOADED adapters loaded
+KEEP_LOADED = 4
+
+
 def load_m2r2(lm, adapters: str | Path | None = None, method: str = "this method"):
-    return load_adapters(lm, adapters_folder(lm, adapters, method))
+    """The adapters for ``lm``, loaded once per model and folder while their weights file is unchanged: a chat or
+    a server builds a decoder for each method and tau it is asked for, and each would otherwise read and hash
+    the same files again. Decoders share the M2R2Model: decoding only reads its weights."""
+    folder = adapters_folder(lm, adapters, method)
+    weights = Path(folder) / ADAPTERS_FILE
+    key = (id(lm.model), str(Path(folder).resolve()), weights.stat().st_mtime_ns if weights.is_file() else None)
+    held = _LOADED.get(key)
+    if held is not None and held[0]() is lm.model:  # the same model object, not another at a reused id
+        _LOADED.move_to_end(key)
+        return held[1]
+    m2r2 = load_adapters(lm, folder)
+    _LOADED[key] = (weakref.ref(lm.model), m2r2)
+    while len(_LOADED) > KEEP_LOADED:
+        _LOADED.popitem(last=False)
+    return m2r2
 
 
 # ---- drafters and planners, one registry each -----------------------------------------------------------------
@@ -72,7 +92,7 @@ def fast_drafter(lm, config: DecodeConfig, adapters: str | Path | None, threshol
 def layerskip_drafter(lm, config: DecodeConfig, adapters: str | Path | None, threshold: float) -> Drafter:
     """The slow state's own exit at ``config.gate`` (no adapters run; an adapters folder only lends its first gate
     and draft vocabulary): the naive self-speculative baseline."""
-    folder = Path(adapters) if adapters else packaged_adapters(lm.name)
+    folder = resolve_adapters(adapters) if adapters else packaged_adapters(lm.name)
     gate = config.gate or (M2R2Config.load(folder).gates[0] if folder else max(1, lm.num_layers // 5))
     if not 1 <= gate < lm.num_layers:
         raise M2R2Error(f"gate {gate} must be a layer count in 1..{lm.num_layers - 1}")

@@ -26,7 +26,9 @@ PROG = "python -m m2r2_mlx.moe"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Expert stores for the MoE expert cache (docs/moe.md).")
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="write a model's experts to a store folder (memory-mapped at run time)")
+    e = sub.add_parser(
+        "export", help="write a model's experts to a store folder (read with positional reads at run time)"
+    )
     e.add_argument("--model", required=True, help="alias (olmoe), Hugging Face repo id or local MLX folder")
     e.add_argument("-o", "--out", required=True, help="store folder to write")
     e.add_argument("--force", action="store_true", help="replace an existing folder")
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return
         if args.command == "export":
-            model = load_model(args.model, tokenizer=False).model  # lazy: read one layer at a time
-            store = ExpertStore.export(model, args.out, force=args.force)
+            model = load_model(args.model, tokenizer=False).model  # lazy, and each layer released once written
+            store = ExpertStore.export(model, args.out, force=args.force, release=True)
         else:
             store = ExpertStore.open(args.folder)
             for layer in store.layers:

@@ -14,9 +14,8 @@ choice (the interval is one lazy graph, evaluated once), and it runs inside
 ``cache.side_pass()`` so it counts no hits or misses. The slow stream is untouched: the
 tokens are the all-resident model's exactly.
 
-Measured on the tiny OLMoE (docs/moe_bench.md): the exit state predicts the next
-interval's routing better than the fast stream's intermediate states do, so only the
-exit state is used.
+Only the exit state is used: it predicts the next interval's routing better than the fast
+stream's intermediate states do (docs/moe_bench.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Whether the predictor pays for its own work: the expert loader's answer to the speculative planner's drafting
-costs (decoding/costs.py, policy.py).
+costs (decoding/costs.py, decoding/planner.py).
 
 A predictor costs compute every token (M2R2's fast stream: extra layer passes, or fused rows), and saves only the
 stall its prefetches hide. The governor measures both per decode step ("window": from one step's first MoE layer

@@ -11,8 +11,8 @@ fitted in closed form (ridge regression, towards t's own router on the nearest s
 distance) on the all-resident model's routing over training text. Targets in the first layers are predicted from
 the last layers of the previous token (the next token's router logits: the loads cross the token boundary), so
 every layer has a whole ``lead`` of layers to load in. The defaults (2 layers of lead, 3 source layers, a weak
-ridge, 65,536 training tokens) are the most precise linear predictor docs/moe_bench.md measured at a lead the link
-can use (round 7); a classifier did no better. The predictor (``LookaheadAdapterPredictor``, registry name
+ridge, 65,536 training tokens) are the most precise linear predictor at a lead the link can use (docs/moe_bench.md
+compares them, and a classifier). The predictor (``LookaheadAdapterPredictor``, registry name
 ``lookahead``) runs one map a layer and prefetches through the planner.
 
     python -m m2r2_mlx.moe lookahead MODEL [--ids train.npy --heldout heldout.npy]   # MODEL/lookahead.safetensors

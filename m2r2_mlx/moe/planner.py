@@ -15,9 +15,8 @@ predictions, scored whether loaded or not, per target layer, distance (MoE layer
 use), rank in the prediction and confidence (the router's probability over the uniform one); ``q`` is measured
 from the routing history: per layer, how often the resident expert at each eviction rank was used at the next
 visit. Both are Beta posteriors read at their means (the expected gain against the expected cost: a pessimistic
-read of the gain declined loads of an 89% precise predictor that paid; a predictor that carries nothing is still
-calibrated near chance, after at most a lucky early guess or two has loaded), with counts that decay each step, so
-estimates follow the text.
+read would decline loads that pay, and a predictor that carries nothing is still calibrated near chance, after at
+most a lucky early guess or two has loaded), with counts that decay each step, so estimates follow the text.
 
 Eviction changes too: a prefetched expert evicts, in the policy's order, a resident expert that no pending
 prediction names for that layer, never one the current token used there (nor, as always, one the layer computes

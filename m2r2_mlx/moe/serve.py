@@ -52,7 +52,7 @@ def exported_store(lm: LoadedModel, folder: Path | None = None) -> ExpertStore:
     if not ExpertStore.finished(folder):
         print(f"exporting {lm.name}'s experts to {folder} (once)", file=sys.stderr)
         # layer by layer, each released once written: a lazily loaded model never holds all its experts
-        store = ExpertStore.export(lm.model, folder, force=True, release=True)
+        store = ExpertStore.export(lm.model, folder, force=True, release=True, reuse_finished=True)
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         print(f"exported {len(store.layers)} MoE layers' experts: {size / 1e9:.2f} GB", file=sys.stderr)
     return ExpertStore.open(folder)

@@ -203,8 +203,8 @@ class Ledger:
         """Zero the counters and forget the predictions (resident experts stay what they are)."""
         self.stats.reset()
         self.predictions.clear()
-        for unused in self._unused_prefetch.values():
-            unused.clear()
+        for kept in (*self._unused_prefetch.values(), *self._evicted_ahead.values()):
+            kept.clear()
         if self.trace is not None:
             self.trace = {}
 

@@ -194,23 +194,34 @@ class ExpertStore:
         self.folder = folder
         self.manifest = manifest
         self._layers = {entry["layer"]: entry for entry in manifest["layers"]}
-        self._readers: dict = {}  # io mode -> (ExpertReader, Buffer, lock): ``read``'s own
+        self._readers: dict = {}  # io mode -> (ExpertReader, Buffer): ``read``'s own
         self._lock = threading.Lock()
 
     # -- writing -------------------------------------------------------------------------
 
     @staticmethod
-    def export(model, folder: str | Path, *, force: bool = False, release: bool = False) -> "ExpertStore":
+    def export(
+        model, folder: str | Path, *, force: bool = False, release: bool = False, reuse_finished: bool = False
+    ) -> "ExpertStore":
         """Write every MoE layer's experts under ``folder`` (atomically) and open the result. ``release``: once
         written, a layer's experts in ``model`` become unevaluated placeholders of the same shapes, so a lazily
-        loaded model holds one layer's experts at a time (for a model offloaded right after: offload_experts)."""
+        loaded model holds one layer's experts at a time (for a model offloaded right after: offload_experts).
+        ``reuse_finished``: a store another process finished while this one waited for the lock is opened, not
+        written again."""
         folder = Path(folder).expanduser()
         blocks = moe_blocks(model)
         if not blocks:
             raise M2R2Error("this model has no SwitchGLU mixture-of-experts layers, so there are no experts to export")
         if folder.exists() and not force:
             raise M2R2Error(f"{folder} already exists; pass force=True (--force) to replace it")
-        with exclusive(folder, f"the expert store {folder.name}"), atomic_folder(folder) as tmp:
+        with exclusive(folder, f"the expert store {folder.name}"):
+            if reuse_finished and ExpertStore.finished(folder):
+                return ExpertStore.open(folder)
+            return ExpertStore._write(model, blocks, folder, release)
+
+    @staticmethod
+    def _write(model, blocks: list, folder: Path, release: bool) -> "ExpertStore":
+        with atomic_folder(folder) as tmp:
             layers = []
             for i, block in tqdm(blocks, desc="exporting experts", unit="layer", leave=False):
                 params = expert_params(block.switch_mlp)
