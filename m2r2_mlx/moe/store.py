@@ -44,37 +44,24 @@ _noted: set[Path] = set()  # stores without a completion record, noted once each
 REEXPORT = "re-export the store (python -m m2r2_mlx.moe export --model MODEL -o FOLDER --force)"
 
 # safetensors dtype codes <-> MLX dtypes; bfloat16 travels as uint16 bits through numpy.
-_MX = {
-    "F32": mx.float32,
-    "F16": mx.float16,
-    "BF16": mx.bfloat16,
-    "F64": mx.float64,
-    "U8": mx.uint8,
-    "I8": mx.int8,
-    "U16": mx.uint16,
-    "I16": mx.int16,
-    "U32": mx.uint32,
-    "I32": mx.int32,
-    "U64": mx.uint64,
-    "I64": mx.int64,
-    "BOOL": mx.bool_,
+_DTYPES = {  # safetensors code: (MLX dtype, the numpy dtype its bytes travel as)
+    "F32": (mx.float32, np.float32),
+    "F16": (mx.float16, np.float16),
+    "BF16": (mx.bfloat16, np.uint16),
+    "F64": (mx.float64, np.float64),
+    "U8": (mx.uint8, np.uint8),
+    "I8": (mx.int8, np.int8),
+    "U16": (mx.uint16, np.uint16),
+    "I16": (mx.int16, np.int16),
+    "U32": (mx.uint32, np.uint32),
+    "I32": (mx.int32, np.int32),
+    "U64": (mx.uint64, np.uint64),
+    "I64": (mx.int64, np.int64),
+    "BOOL": (mx.bool_, np.bool_),
 }
+_MX = {code: pair[0] for code, pair in _DTYPES.items()}
+_NP = {code: pair[1] for code, pair in _DTYPES.items()}
 _CODE = {v: k for k, v in _MX.items()}
-_NP = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": np.uint16,
-    "F64": np.float64,
-    "U8": np.uint8,
-    "I8": np.int8,
-    "U16": np.uint16,
-    "I16": np.int16,
-    "U32": np.uint32,
-    "I32": np.int32,
-    "U64": np.uint64,
-    "I64": np.int64,
-    "BOOL": np.bool_,
-}
 
 
 def mlx_dtype(code: str) -> mx.Dtype:
@@ -185,6 +172,25 @@ def _check_entry(entry: dict) -> None:
             raise ValueError("an expert has no checksum")
 
 
+def _write_store(model, blocks: list, folder: Path, release: bool) -> None:
+    """Every MoE layer's experts, the manifest and the completion record, into ``folder`` atomically."""
+    with atomic_folder(folder) as tmp:
+        layers = []
+        for i, block in tqdm(blocks, desc="exporting experts", unit="layer", leave=False):
+            params = expert_params(block.switch_mlp)
+            mx.eval(params)  # lazily loaded models read this layer's weights now, one layer at a time
+            entry = _write_layer(tmp / _layer_file(i), module_path(model, block.switch_mlp), params)
+            layers.append({"layer": i, "top_k": top_k(block), **entry})
+            if release:
+                del params
+                placeholders = tree_map(lambda a: mx.zeros(a.shape, a.dtype), block.switch_mlp.parameters())
+                block.switch_mlp.update(placeholders)
+                mx.clear_cache()
+        meta = {"format": FORMAT, "version": VERSION, "model_type": getattr(model, "model_type", None)}
+        atomic_write_text(tmp / MANIFEST, json.dumps({**meta, "layers": layers}, indent=1))
+        seal(tmp)  # last: a store without its completion record is an unfinished export
+
+
 class ExpertStore:
     """A folder of exported expert weights, verified at open and at each read (see the module docstring)."""
 
@@ -206,8 +212,7 @@ class ExpertStore:
         """Write every MoE layer's experts under ``folder`` (atomically) and open the result. ``release``: once
         written, a layer's experts in ``model`` become unevaluated placeholders of the same shapes, so a lazily
         loaded model holds one layer's experts at a time (for a model offloaded right after: offload_experts).
-        ``reuse_finished``: a store another process finished while this one waited for the lock is opened, not
-        written again."""
+        ``reuse_finished``: a store another process finished while this one waited for the lock is only opened."""
         folder = Path(folder).expanduser()
         blocks = moe_blocks(model)
         if not blocks:
@@ -215,32 +220,8 @@ class ExpertStore:
         if folder.exists() and not force:
             raise M2R2Error(f"{folder} already exists; pass force=True (--force) to replace it")
         with exclusive(folder, f"the expert store {folder.name}"):
-            if reuse_finished and ExpertStore.finished(folder):
-                return ExpertStore.open(folder)
-            return ExpertStore._write(model, blocks, folder, release)
-
-    @staticmethod
-    def _write(model, blocks: list, folder: Path, release: bool) -> "ExpertStore":
-        with atomic_folder(folder) as tmp:
-            layers = []
-            for i, block in tqdm(blocks, desc="exporting experts", unit="layer", leave=False):
-                params = expert_params(block.switch_mlp)
-                mx.eval(params)  # lazily loaded models read this layer's weights now, one layer at a time
-                entry = _write_layer(tmp / _layer_file(i), module_path(model, block.switch_mlp), params)
-                layers.append({"layer": i, "top_k": top_k(block), **entry})
-                if release:
-                    del params
-                    placeholders = tree_map(lambda a: mx.zeros(a.shape, a.dtype), block.switch_mlp.parameters())
-                    block.switch_mlp.update(placeholders)
-                    mx.clear_cache()
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "model_type": getattr(model, "model_type", None),
-                "layers": layers,
-            }
-            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-            seal(tmp)  # last: a store without its completion record is an unfinished export
+            if not (reuse_finished and ExpertStore.finished(folder)):
+                _write_store(model, blocks, folder, release)
         return ExpertStore.open(folder)
 
     @staticmethod
