@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.core.adapters import refuse_existing
+from m2r2_mlx.core.config import parse_layers
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.gguf_import import import_gguf
 from m2r2_mlx.models.registry import load_model
@@ -97,15 +98,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _gates(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(g) for g in text.split(",")]
-    except ValueError:
-        raise M2R2Error(f"--gates must be layer numbers separated by commas, e.g. 6,12,18,24 (got {text!r})") from None
-
-
 @dataclass(frozen=True)
 class CheckpointJob:
     """What ``m2r2-convert checkpoint`` is asked to do."""
@@ -152,7 +144,7 @@ def _main() -> int:
             args.checkpoint,
             args.base,
             args.output,
-            _gates(args.gates),
+            list(parse_layers(args.gates)) if args.gates else None,
             args.every,
             args.dtype,
             args.dry_run,

@@ -9,7 +9,6 @@ also probe now and then, from a budget of a small share of its time (the expert 
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -31,25 +30,13 @@ class Rates:
             c[0] += yes
             c[1] += 1
 
-    def _mean_and_total(self, keys: Sequence[Hashable], prior: float | None) -> tuple[float, float]:
-        mean, total = self.prior if prior is None else prior, self.strength
+    def mean(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
+        """The posterior mean under the finest of ``keys``: each key's counts over the next coarser key's mean."""
+        mean = self.prior if prior is None else prior
         for key in reversed(keys):
             yes, seen = self.counts.get(key, (0.0, 0.0))
-            mean, total = (yes + self.strength * mean) / (seen + self.strength), seen + self.strength
-        return mean, total
-
-    def posterior(self, keys: Sequence[Hashable], prior: float | None = None) -> tuple[float, float]:
-        """Mean and standard deviation under the finest of ``keys``."""
-        mean, total = self._mean_and_total(keys, prior)
-        return mean, math.sqrt(mean * (1 - mean) / (total + 1))
-
-    def mean(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
-        return self._mean_and_total(keys, prior)[0]
-
-    def pessimistic(self, keys: Sequence[Hashable], prior: float | None = None) -> float:
-        """Mean minus one standard deviation: what a costly action is decided on."""
-        mean, std = self.posterior(keys, prior)
-        return max(mean - std, 0.0)
+            mean = (yes + self.strength * mean) / (seen + self.strength)
+        return mean
 
     def tick(self) -> None:
         self.scale(self.decay)
@@ -64,15 +51,13 @@ class Rates:
 class ProbeBudget:
     """What probes may spend: actions a planner would not choose, taken so that an estimate it stopped feeding is
     measured again. Every measured second earns ``share`` of itself; a probe spends what it is expected to lose
-    against the planner's own choice. With a ``cap`` (seconds) a long run does not bank probes for later."""
+    against the planner's own choice."""
 
     share: float
     credit: float = field(default=0.0)
 
-    def earn(self, seconds: float, cap: float | None = None) -> None:
+    def earn(self, seconds: float) -> None:
         self.credit += self.share * seconds
-        if cap is not None:
-            self.credit = min(self.credit, cap)
 
     def affords(self, loss: float) -> bool:
         return self.share > 0 and loss <= self.credit

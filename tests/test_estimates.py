@@ -12,8 +12,7 @@ def test_rates_fall_back_to_coarser_keys_and_decay():
     assert rates.mean(("fine", "coarse"), prior=0.75) == pytest.approx(0.75)  # a prior per call
     for _ in range(50):
         rates.observe(("other", "coarse"), True)
-    mean, std = rates.posterior(("fine", "coarse"))  # an unseen fine key reads the coarse one's rate
-    assert mean > 0.9 and std < 0.2
+    assert rates.mean(("fine", "coarse")) > 0.9  # an unseen fine key reads the coarse one's rate
     rates.tick()
     assert rates.counts["coarse"] == [25.0, 25.0]
 
@@ -24,19 +23,15 @@ def test_an_unused_rate_drifts_back_to_its_prior_so_it_is_tried_again():
         rates.observe(("fast", 1), False)
         rates.tick()
     assert rates.mean(("fast", 1)) < 0.1  # sure it fails
-    uncertain = rates.posterior(("fast", 1))[1]
     for _ in range(60):
         rates.tick()
-    mean, std = rates.posterior(("fast", 1))
-    assert mean > 0.4 and std > uncertain + 0.1 and rates.pessimistic(("fast", 1)) < mean - 0.1
+    assert rates.mean(("fast", 1)) > 0.4  # its counts decayed: back near its prior
 
 
-def test_probe_budget_earns_a_share_spends_losses_and_caps():
+def test_probe_budget_earns_a_share_and_spends_losses():
     budget = ProbeBudget(share=0.01)
     budget.earn(10.0)
     assert budget.affords(0.1) and not budget.affords(0.11)
     budget.spend(0.08)
     assert not budget.affords(0.05)
-    budget.earn(1000.0, cap=0.5)
-    assert budget.credit == 0.5
     assert not ProbeBudget(share=0.0).affords(0.0)

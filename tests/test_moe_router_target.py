@@ -89,7 +89,7 @@ def test_bad_input_is_one_line(tmp_path):
         ([], "--text files or as --ids"),
         (["--ids", str(tmp_path / "none.npy")], "none.npy not found"),
         (["--ids", str(ids), "--seq-len", "2"], "--seq-len must be at least 8"),
-        (["--ids", str(ids), "--gates", "2,x"], "--gates takes comma-separated"),
+        (["--ids", str(ids), "--gates", "2,x"], "--gates takes comma-separated layer numbers"),
     ]:
         r = run_main("m2r2_mlx.moe.__main__", "adapters", *base, *args)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]

@@ -84,7 +84,7 @@ def test_bad_settings_are_one_line():
     assert (
         r.stderr.strip()
         .splitlines()[-1]
-        .endswith("argument --gates: '6,x' is not layer numbers separated by commas, e.g. 6,12,18")
+        .endswith("--gates takes comma-separated layer numbers, e.g. 6,12,18 (got '6,x')")
     )
 
 

@@ -51,6 +51,14 @@ class AdapterMetrics:
         return sum(auc) if auc else None
 
 
+def parse_layers(text: str, flag: str = "--gates") -> tuple[int, ...]:
+    """Layer numbers from a flag's text (``6,12,18``); one line naming ``flag`` otherwise."""
+    try:
+        return tuple(int(g) for g in text.split(","))
+    except ValueError:
+        raise M2R2Error(f"{flag} takes comma-separated layer numbers, e.g. 6,12,18 (got {text!r})") from None
+
+
 def even_gates(num_layers: int, every: int) -> list[int]:
     """Gates every ``every`` layers, excluding the last layer (that exit is the base model's own)."""
     return [g for g in range(every, num_layers, every)]

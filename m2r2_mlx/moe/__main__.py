@@ -13,6 +13,7 @@ import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linu
 
 import numpy as np
 
+from ..core.config import parse_layers
 from ..errors import M2R2Error, run_cli
 from ..models.registry import load_model
 from .lookahead import DEFAULT_FIT, LookaheadFit, train_lookahead
@@ -62,13 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gates(text: str | None) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(g) for g in text.split(",")) if text else None
-    except ValueError:
-        raise M2R2Error(f"--gates takes comma-separated layer counts, got {text!r}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -91,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 ids=args.ids,
                 heldout=args.heldout,
                 init=args.init,
-                gates=_gates(args.gates),
+                gates=parse_layers(args.gates) if args.gates else None,
                 every=args.every,
                 rank=args.rank,
                 seq_len=args.seq_len,

@@ -91,11 +91,7 @@ class PreGating(LookaheadPredictor):
     """Run the next layers' routers on this layer's input (no fast stream)."""
 
     def attach(self, cache: ExpertCache) -> "PreGating":
-        missing = [l for l in cache.layers if l not in cache.routers]
-        if missing:
-            raise M2R2Error(
-                f"pre-gating needs the routers of MoE layers {missing}, which this model's blocks do not expose"
-            )
+        cache.require_routers("pre-gating")
         return super().attach(cache)
 
     def predict(self, layer: int, x: mx.array) -> list[int]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from ..errors import M2R2Error
 from ..tracing import NO_TRACE, Tracer
 from .budget import human, parse_budget, resolve_slots
 from .clock import Clock, DeviceClock, WallClock
@@ -307,6 +308,12 @@ class ExpertCache:
         self.listeners.remove(listener)
 
     # -- bookkeeping -----------------------------------------------------------------------
+
+    def require_routers(self, who: str) -> None:
+        """One line where ``who`` (a predictor) needs a router this model's MoE blocks do not expose."""
+        missing = [l for l in self.layers if l not in self.routers]
+        if missing:
+            raise M2R2Error(f"{who} needs the routers of MoE layers {missing}, which this model's blocks do not expose")
 
     def reset(self) -> None:
         """Start a new measurement: zero the stats and the step count (resident experts stay)."""

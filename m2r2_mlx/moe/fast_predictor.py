@@ -84,11 +84,7 @@ class FastStreamPredictor:
         self.fast_layer_passes = 0
 
     def attach(self, cache: ExpertCache) -> "FastStreamPredictor":
-        missing = [l for l in cache.layers if l not in cache.routers]
-        if missing:
-            raise M2R2Error(
-                f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose"
-            )
+        cache.require_routers("the M2R2 predictor")
         if any(isinstance(layer, _GateTap) for layer in self.parts.layers):
             raise M2R2Error("this model already has an M2R2 expert predictor attached")
         self.cache = cache

@@ -95,11 +95,7 @@ class FusedPredictor:
         self.fast_layer_passes = 0  # fused fast rows (not extra passes: the weights are read once)
 
     def attach(self, cache: ExpertCache) -> "FusedPredictor":
-        missing = [l for l in cache.layers if l not in cache.routers]
-        if missing:
-            raise M2R2Error(
-                f"the M2R2 predictor needs the routers of MoE layers {missing}, which this model's blocks do not expose"
-            )
+        cache.require_routers("the M2R2 predictor")
         if any(isinstance(layer, _FusedTap) for layer in self.parts.layers):
             raise M2R2Error("this model already has an M2R2 expert predictor attached")
         self.cache = cache

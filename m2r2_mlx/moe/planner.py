@@ -149,7 +149,7 @@ class PrefetchPlanner:
             scored = keys if candidates else keys + (("top", layer), ("top",))
             self._pending.setdefault((step, layer), []).append((e, scored))
             candidates.append((self.hits.mean(keys), e))
-        victims = self._victims(layer, step)
+        victims = self._victims(layer)
         chosen = []
         by_dist = self._pending_dist(layer) is not None
         for (p, e), (rank, _) in zip(sorted(candidates, key=lambda c: -c[0]), victims):
@@ -234,7 +234,7 @@ class PrefetchPlanner:
         step, used = self._used_now.get(layer, (None, set()))
         return used if step == self.cache.step else set()
 
-    def _victims(self, layer: int, step: int) -> list[tuple[int | None, int | None]]:
+    def _victims(self, layer: int) -> list[tuple[int | None, int | None]]:
         """(eviction rank, expert) of what successive loads into ``layer`` would evict: free slots first (rank
         None), then resident experts no prediction names and the current token did not use, in the policy's
         order (rank counted among the unnamed, as the reuse history counts it)."""

@@ -8,6 +8,7 @@ import argparse
 
 import m2r2_mlx
 
+from ..core.config import parse_layers
 from .config import LOSS_ON, TrainConfig
 
 
@@ -17,13 +18,6 @@ def parse_ranks(text: str) -> int | tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rank or a comma-separated list of ranks") from None
     return ranks[0] if len(ranks) == 1 else ranks
-
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(g) for g in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not layer numbers separated by commas, e.g. 6,12,18") from None
 
 
 def train_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -47,7 +41,7 @@ def train_parser(prog: str, description: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gates",
-        type=parse_layers,
+        type=parse_layers,  # M2R2Error: one line from run_cli, not argparse's usage
         help="comma-separated exit layers, e.g. 6,12,18,24 (default: every --every layers)",
     )
     p.add_argument(
@@ -67,7 +61,7 @@ def train_parser(prog: str, description: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--train-gates",
-        type=parse_layers,
+        type=lambda text: parse_layers(text, "--train-gates"),
         help="comma-separated gates whose interval's adapters train (default: all); "
         "the others stay as --init gave them and their fast stream does not run",
     )
