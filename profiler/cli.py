@@ -31,7 +31,7 @@ from .report import markdown, summary
 from .session import run_profile
 from .trace import write_trace
 
-SERVED_PREDICTORS = list(PREDICTORS)
+PROFILED_PREDICTORS = list(PREDICTORS)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (as m2r2-chat)",
     )
-    p.add_argument("--expert-predictor", default="pregating", choices=SERVED_PREDICTORS, help="with --memory-budget")
+    p.add_argument("--expert-predictor", default="pregating", choices=PROFILED_PREDICTORS, help="with --memory-budget")
     p.add_argument(
         "--trace",
         default=None,

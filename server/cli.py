@@ -35,7 +35,7 @@ from .worker import ModelWorker
 
 # the expert predictors a server runs: those that leave the decoder's layers as they are (the fast-stream ones wrap
 # them, which the adapters a request's method loads would not find)
-SERVED_PREDICTORS = [n for n, e in PREDICTORS.items() if not e.needs_adapters]
+LAYER_PRESERVING_PREDICTORS = [n for n, e in PREDICTORS.items() if not e.needs_adapters]
 
 log = logging.getLogger("m2r2-server")
 KEY_ENV = "M2R2_API_KEY"
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-predictor",
         default="pregating",
-        choices=SERVED_PREDICTORS,
+        choices=LAYER_PRESERVING_PREDICTORS,
         help="with --memory-budget: who reads experts ahead of time (default: pregating)",
     )
     add_options(p)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import m2r2_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core on Linux)
 from m2r2_mlx.atomic import atomic_folder, atomic_save_npy, atomic_write_text
-from m2r2_mlx.core.config import M2R2Config
+from m2r2_mlx.core.config import PACKAGED, M2R2Config
 from m2r2_mlx.core.integrity import record_hashes
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.identity import config_hash
@@ -50,7 +50,7 @@ from .corpus_sources import Corpora, CorpusPaths
 from .moefy_layers import layer_pass, moefy_layer, refit_down, routed_pass
 
 PROG = "python -m m2r2_tools.moefy"
-PACKAGED_ADAPTERS = Path(m2r2_mlx.__file__).parent / "trained" / "smollm2"
+PACKAGED_ADAPTERS = PACKAGED / "smollm2"
 COPIED = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -28,7 +28,7 @@ from m2r2_mlx.moe.predictors import PREDICTORS
 from .app import ChatApp
 from .session import ChatSetup, ExpertBudget, make_session
 
-SERVED_PREDICTORS = list(PREDICTORS)  # the measurement controls live in the bench
+CHAT_PREDICTORS = list(PREDICTORS)  # every registered one (the measurement controls live in the bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--expert-predictor",
         default="pregating",
-        choices=SERVED_PREDICTORS,
+        choices=CHAT_PREDICTORS,
         help="with --memory-budget: who loads experts ahead of time; "
-        + "; ".join(f"{n}: {PREDICTORS[n].help}" for n in SERVED_PREDICTORS)
+        + "; ".join(f"{n}: {PREDICTORS[n].help}" for n in CHAT_PREDICTORS)
         + " (default: pregating)",
     )
     return p

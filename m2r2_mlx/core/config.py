@@ -10,6 +10,7 @@ from ..errors import M2R2Error
 
 CONFIG_FILE = "m2r2_config.json"
 ADAPTERS_FILE = "adapters.safetensors"
+PACKAGED = Path(__file__).resolve().parents[1] / "trained"  # the adapters the package ships, a folder per model
 
 # How the fast stream departs from the base in each layer it runs:
 #   parallel_bottleneck: h <- layer(h) + up(silu(down(rmsnorm(h))))

@@ -17,11 +17,10 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from ..checksums import RECORD, read_record
 from ..errors import M2R2Error
 from ..models.registry import ALIASES, DEFAULT_MODEL, canonical_name, hub_snapshot, is_repo_id
-from .config import ADAPTERS_FILE, CONFIG_FILE, M2R2Config
+from .config import ADAPTERS_FILE, CONFIG_FILE, PACKAGED, M2R2Config
 from .draft_vocab import FILE as DRAFT_VOCAB_FILE
 from .integrity import new_record, verify_adapters
 
-PACKAGED_ADAPTERS = Path(__file__).resolve().parents[1] / "trained"
 # What an adapters folder holds for decoding; m2r2-train's data cache and checkpoints stay home.
 ADAPTER_FILES = (CONFIG_FILE, ADAPTERS_FILE, DRAFT_VOCAB_FILE, RECORD)
 CARD = "README.md"
@@ -29,7 +28,7 @@ CARD = "README.md"
 
 def packaged_adapters(model_name: str | None) -> Path | None:
     """Adapters that ship with m2r2 for a model alias (today: the embedded smollm2)."""
-    folder = PACKAGED_ADAPTERS / canonical_name(model_name).lower()
+    folder = PACKAGED / canonical_name(model_name).lower()
     return folder if (folder / CONFIG_FILE).is_file() else None
 
 

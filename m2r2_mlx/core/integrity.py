@@ -21,12 +21,11 @@ from huggingface_hub import constants
 
 from ..checksums import RECORD, check_folder, read_record, record_of, seal, sha256_file
 from ..errors import M2R2Error, run_cli
-from .config import ADAPTERS_FILE, CONFIG_FILE
+from .config import ADAPTERS_FILE, CONFIG_FILE, PACKAGED
 
 log = logging.getLogger("m2r2")
 # the files decoding (or m2r2-convert, for a PyTorch checkpoint) reads; data caches and checkpoints are not hashed
 HASHED = (ADAPTERS_FILE, "draft_vocab.json", "adapters.pt")
-PACKAGED = Path(__file__).resolve().parents[1] / "trained"
 RECORD_COMMAND = "python -m m2r2_mlx.core.integrity"
 
 _verified: set[tuple] = set()  # folders (with their files' sizes and mtimes) found intact in this process

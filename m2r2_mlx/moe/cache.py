@@ -259,9 +259,9 @@ class ExpertCache:
             )
         start, written = self.clock.now(), self.residency.written
         misses: set[int] = set()  # read on demand: no read was held for them when the pass got here
-        for round in range(1 if self.mode.side else 2):  # a second only for a prefetch _install refused
+        for attempt in range(1 if self.mode.side else 2):  # a second only for a prefetch _install refused
             missing = [e for e in needed if not self.is_resident(layer, e)]
-            if round and not missing:
+            if attempt and not missing:
                 break  # (the first round lands whatever has arrived, needed or not)
             misses |= {e for e in missing if not self.loader.holds(layer, e)}
             arrived, late = self.loader.fetch(layer, missing)

@@ -35,7 +35,7 @@ from ..errors import M2R2Error
 from .baselines import ListeningPredictor
 from .blocks import moe_blocks, top_k, top_scored
 from .cache import ExpertCache
-from .router_target import _Recorder
+from .router_target import RouterRecorder
 
 FILE = "lookahead.safetensors"
 
@@ -115,7 +115,7 @@ class LookaheadAdapters(nn.Module):
 
 def record_routes(model, blocks: dict[int, nn.Module], ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Each MoE layer's router (input, logits) over a batch of rows: (B, T, D) and (B, T, E), float32 numpy."""
-    recorders = {l: _Recorder(b.gate) for l, b in blocks.items()}
+    recorders = {l: RouterRecorder(b.gate) for l, b in blocks.items()}
     for l, b in blocks.items():
         b.gate, recorders[l].on = recorders[l], True
     try:

@@ -44,7 +44,7 @@ class RouterTargetConfig:
             raise M2R2Error("--steps must not be negative, --batch-size at least 1, --lr and --temperature positive")
 
 
-class _Recorder(nn.Module):
+class RouterRecorder(nn.Module):
     """A router that, while ``on``, keeps what it was given and what it said."""
 
     def __init__(self, gate: nn.Module):
@@ -89,7 +89,7 @@ class RouterTarget:
 
     def frozen_pass(self, ids: mx.array):
         """The slow stream's states at the gates, its keys and values, and each MoE layer's router (input, logits)."""
-        recorders = {l: _Recorder(b.gate) for l, b in self.blocks.items()}
+        recorders = {l: RouterRecorder(b.gate) for l, b in self.blocks.items()}
         for l, b in self.blocks.items():
             b.gate = recorders[l]
             recorders[l].on = True
