@@ -122,3 +122,32 @@ def test_mt_bench_rows_sum_only_mt_bench_categories():
 def test_bench_bad_input_is_one_line(tmp_path, args, message):
     r = bench(tmp_path, *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tools_refuses_an_unknown_method_while_parsing(tmp_path):
+    r = run_main("m2r2_bench.specbench", "--tools", "--methods", "plain,m2r2", "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and "unknown methods ['m2r2']" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_tools_evaluates_one_request_through_the_servers_path(tmp_path):
+    """m2r2-bench --tools on its first request: under tool_choice required the answer is a valid call, and the
+    speculative method's tokens are plain decoding's."""
+    out = tmp_path / "out"
+    r = run_main(
+        "m2r2_bench.specbench",
+        "--tools",
+        "--limit",
+        "1",
+        "--methods",
+        "speculative",
+        "--max-tokens",
+        "48",
+        "--out",
+        out,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert "| required | all | 1 | 1 | 1/1 |" in table, table
+    assert "| speculative |" in table and table.split("| speculative |")[1].split("\n")[0].endswith("| 1/1 |"), table
