@@ -186,6 +186,8 @@ def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         if not (key.isascii() and key.isdigit() and len(key) <= 9 and is_a(value, float) and -100 <= value <= 100):
             raise RequestError(f"{rule} (got {json.dumps(key)}: {json.dumps(value)})"[:300], "logit_bias")
         pairs.append((int(key), float(value)))
+    if len({token for token, _ in pairs}) < len(pairs):  # "5" and "05"
+        raise RequestError("'logit_bias' names a token id twice", "logit_bias")
     return tuple(pairs)
 
 

@@ -231,6 +231,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"cat": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"900000": 1}}, 400, "logit_bias"),  # beyond the vocabulary
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": "high"}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_context_size": 0}, 400, "frequency_context_size"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),

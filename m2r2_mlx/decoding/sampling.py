@@ -3,9 +3,8 @@
 The target distribution is exactly what plain sampling draws from, built from mlx-lm's own pieces: the logit
 bias and the logits processors (repetition, presence and frequency penalties, over the last tokens of the
 sequence) on the raw logits, log-probabilities, then the sampler's filters in its order (top-p, min-p, top-k) and
-the temperature. Speculative sampling
-therefore reproduces plain sampling's distribution, not a variant, and greedy speculative decoding takes the
-argmax of the same processed logits as greedy plain decoding.
+the temperature. Speculative sampling therefore reproduces plain sampling's distribution, not a variant, and greedy
+speculative decoding takes the argmax of the same processed logits as greedy plain decoding.
 """
 
 from __future__ import annotations
