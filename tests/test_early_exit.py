@@ -281,3 +281,35 @@ def test_gates_off_decode_as_plain(lm, tiny_m2r2):
     assert tokens == plain[: plain.index(plain[end]) + 1]
     assert [int(t) for t in cache.tokens] == prompt + tokens[:-1]
     assert_cache_is_full_models(tiny_m2r2.base, cache)
+
+
+def test_a_rule_that_reads_earlier_gates_gets_its_checks_as_a_prefix(lm, tiny_m2r2):
+    """ARLA scores gate j from the latents of every gate up to j, as it was trained: where the planner would check
+    a gate after one it skips, the ARLA rule checks neither (no trail with a gap); max-softmax confidence, which
+    reads one gate, keeps the planner's plan."""
+    from dataclasses import replace
+
+    from m2r2_mlx.core.arla import ARLARule
+    from m2r2_mlx.core.fast_stream import M2R2Model
+    from m2r2_mlx.decoding.early_exit import EarlyExit
+    from m2r2_mlx.decoding.exit_planner import GatePlanner, StepFit
+
+    planner = GatePlanner(tiny_m2r2.config.gates, tiny_m2r2.parts.num_layers)
+    planner.fit = StepFit([1.0, 0.1, 0.5, 0.0])  # a machine where a check costs half a layer pass
+    for _ in range(200):  # gate 0 never exits, gate 1 always does
+        planner.observe({0: False, 1: True}, 8, 0, 2, None)
+    assert planner.checked()[:2] == [False, True]
+    with_arla = M2R2Model(tiny_m2r2.base, replace(tiny_m2r2.config, arla=True))
+    with_arla.update(tiny_m2r2.parameters())  # the same adapters, and a (random) ARLA head
+    mx.eval(with_arla.parameters())
+    cache = PromptCache(tiny_m2r2.base)
+    by_confidence = EarlyExit(tiny_m2r2, cache, ExitPolicy(0.5), planner=planner)
+    by_arla = EarlyExit(with_arla, cache, ExitPolicy(0.5, rule=ARLARule(with_arla.arla)), planner=planner)
+    assert by_confidence.planned_checks() == planner.checked()
+    assert by_arla.planned_checks() == [False] * len(planner.checked())
+    events = list(
+        early_exit_generate(
+            with_arla, lm.tokenizer, PROMPTS[0], GenerationConfig(8), policy=by_arla.policy, planner=planner
+        )
+    )
+    assert len(events) == 8

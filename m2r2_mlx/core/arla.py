@@ -103,6 +103,8 @@ class ARLA(nn.Module):
 class ARLARule:
     """Early exit's rule from ARLA: p_exit at gate j from the latents of the gates this token has passed."""
 
+    reads_earlier_gates = True  # each gate's latent up to j, as in training: the gate planner checks a prefix
+
     def __init__(self, arla):
         self.arla = arla
 

@@ -145,6 +145,15 @@ class EarlyExit:
         """After a forward that stopped at ``layer``: every token in the chunk is pending from there."""
         self.pending += [(layer, h[:, i : i + 1]) for i in range(h.shape[1])]  # after those that have not joined yet
 
+    def planned_checks(self) -> list[bool]:
+        """The planner's checks for the next token. A rule that reads the gates before the one it scores (ARLA,
+        trained on every gate's latent up to it) gets them as a prefix: a gate after an unchecked one is not
+        checked either, rather than scored from a trail with a gap it never saw."""
+        checks = self.planner.checked()
+        if getattr(self.policy.rule, "reads_earlier_gates", False):
+            checks = [all(checks[: j + 1]) for j in range(len(checks))]
+        return checks
+
     def checked(self, j: int) -> bool:
         """Whether gate ``j`` is checked for this token (the planner's plan, made when the token started)."""
         return self.checks[j] if self.checks else True
@@ -171,7 +180,7 @@ class EarlyExit:
 
     def plain_next(self) -> bool:
         """Whether the next token runs the model's own forward: no gate pays for its check, none is pending."""
-        return self.planner is not None and not self.pending and not any(self.planner.checked())
+        return self.planner is not None and not self.pending and not any(self.planned_checks())
 
     def plain(self, token: mx.array) -> mx.array:
         """Logits after ``token`` (shape (1,), read or not) by the model's own forward: no gate checked."""
@@ -188,7 +197,7 @@ class EarlyExit:
         if self.plain_next():  # no gate pays: plain decoding's forward
             return self.plain(mx.array([token])), self.L
         self.verdicts = {}
-        self.checks = self.planner.checked() if self.planner is not None else []
+        self.checks = self.planned_checks() if self.planner is not None else []
         self.cache.record(token)
         h = self.parts.embed(mx.array([[token]]))
         trail: list = []  # what the exit rule keeps across this token's gates (ARLA's latents)
