@@ -20,9 +20,8 @@ from pathlib import Path
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.atomic import atomic_write_text
-from m2r2_mlx.decoding.options import add_options
+from m2r2_mlx.decoding.options import add_model_options, add_options
 from m2r2_mlx.errors import run_cli
-from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help
 from m2r2_mlx.moe.predictors import PREDICTORS
 
 from .config import DEFAULT_PROMPT, DEFAULT_TOKENS, profile_config
@@ -44,12 +43,7 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="m2r2-profile", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: {DEFAULT_MODEL})",
-    )
-    p.add_argument("--adapters", "--adapter-path", default=None, help="M2R2 adapters: a folder or a Hub repo id")
+    add_model_options(p, {n: PREDICTORS[n].help for n in PROFILED_PREDICTORS})
     add_options(p, skip=("max_tokens",))
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="the prompt to answer; - reads stdin")
     p.add_argument(
@@ -62,13 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode each way this many times, alternating, and report the fastest of each: a shared machine's "
         "noise (default 1)",
     )
-    p.add_argument(
-        "--memory-budget",
-        default=None,
-        metavar="B",
-        help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (as m2r2-chat)",
-    )
-    p.add_argument("--expert-predictor", default="pregating", choices=PROFILED_PREDICTORS, help="with --memory-budget")
     p.add_argument(
         "--trace",
         default=None,

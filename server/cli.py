@@ -22,10 +22,10 @@ from functools import partial
 
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.decoding.methods import METHODS, resolve_for_method
-from m2r2_mlx.decoding.options import DecodingOptions, add_options
+from m2r2_mlx.decoding.options import DecodingOptions, add_model_options, add_options
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
-from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help, load_model, resolve_model_path
+from m2r2_mlx.models.registry import load_model, resolve_model_path
 from m2r2_mlx.moe.cache import parse_budget
 from m2r2_mlx.moe.predictors import PREDICTORS
 from m2r2_mlx.moe.serve import serve_with_budget
@@ -48,18 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "decoding (early exit, lossless speculative decoding), every method per request.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: "
-        f"the base the --adapters name, else {DEFAULT_MODEL}, embedded)",
-    )
-    p.add_argument(
-        "--adapters",
-        "--adapter-path",
-        default=None,
-        help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the embedded model)",
-    )
+    add_model_options(p, {n: PREDICTORS[n].help for n in LAYER_PRESERVING_PREDICTORS})
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument(
         "--api-key",
@@ -87,19 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="let structured answers repeat array items and string pieces without limit (a request's "
         '"loop_guard": true still asks for the guard)',
-    )
-    p.add_argument(
-        "--memory-budget",
-        default=None,
-        metavar="B",
-        help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB; the rest are read from the "
-        "disk (default: all in memory)",
-    )
-    p.add_argument(
-        "--expert-predictor",
-        default="pregating",
-        choices=LAYER_PRESERVING_PREDICTORS,
-        help="with --memory-budget: who reads experts ahead of time (default: pregating)",
     )
     add_options(p)
     return p

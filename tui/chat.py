@@ -18,11 +18,11 @@ from pathlib import Path
 import m2r2_mlx  # (first: preloads OpenBLAS on Linux before mlx.core)
 from m2r2_mlx.decoding.grammar import json_schema_grammar
 from m2r2_mlx.decoding.methods import resolve_for_method
-from m2r2_mlx.decoding.options import DecodingOptions, add_options
+from m2r2_mlx.decoding.options import DecodingOptions, add_model_options, add_options
 from m2r2_mlx.decoding.stats import AnswerStats
 from m2r2_mlx.errors import M2R2Error, run_cli
 from m2r2_mlx.models.blas import blas_info
-from m2r2_mlx.models.registry import DEFAULT_MODEL, alias_help, load_model, resolve_model_path
+from m2r2_mlx.models.registry import load_model, resolve_model_path
 from m2r2_mlx.moe.predictors import PREDICTORS
 
 from .app import ChatApp
@@ -36,18 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="m2r2-chat", description="Chat with an MLX model; every token is coloured by its exit depth."
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {m2r2_mlx.__version__}")
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: the base "
-        f"the --adapters name, else {DEFAULT_MODEL}, embedded)",
-    )
-    p.add_argument(
-        "--adapters",
-        "--adapter-path",
-        default=None,
-        help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the embedded model)",
-    )
+    add_model_options(p, {n: PREDICTORS[n].help for n in CHAT_PREDICTORS})
     add_options(p)
     p.add_argument("-p", "--prompt", help="print the answer to this prompt and exit (no terminal UI); - reads stdin")
     p.add_argument("--system-prompt", default=None, help="system prompt (default: the model's own)")
@@ -57,20 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="every answer is JSON valid under this JSON schema (structured output, in every method)",
-    )
-    p.add_argument(
-        "--memory-budget",
-        default=None,
-        metavar="B",
-        help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB (default: all)",
-    )
-    p.add_argument(
-        "--expert-predictor",
-        default="pregating",
-        choices=CHAT_PREDICTORS,
-        help="with --memory-budget: who loads experts ahead of time; "
-        + "; ".join(f"{n}: {PREDICTORS[n].help}" for n in CHAT_PREDICTORS)
-        + " (default: pregating)",
     )
     return p
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from ..errors import ConfigError, M2R2Error
+from ..models.registry import DEFAULT_MODEL, alias_help
 from .config import DRAFT_VOCAB, DecodeConfig, GenerationConfig, KVConfig
 from .methods import METHODS
 from .sampling import Sampling
@@ -237,6 +238,39 @@ def add_options(parser, skip: tuple[str, ...] = ()) -> None:
             parser.add_argument(
                 *o.flags, dest=o.dest, type=o.type, default=o.default, help=o.help_text, choices=choices
             )
+
+
+def add_model_options(parser, predictors: dict[str, str]) -> None:
+    """The flags that pick what is loaded, as every command that decodes spells them: the model, its adapters, and
+    for an MoE model the memory budget and the expert predictor (``predictors``: name -> help, the ones this
+    command runs)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"alias ({alias_help()}), Hugging Face repo id, local folder or .gguf file (default: the base the "
+        f"--adapters name, else {DEFAULT_MODEL}, embedded)",
+    )
+    parser.add_argument(
+        "--adapters",
+        "--adapter-path",
+        default=None,
+        help="M2R2 adapters: a folder or a Hugging Face repo id (default: the packaged ones for the model)",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="B",
+        help="MoE models: keep only this much of the experts in memory, e.g. 25%% or 2GB; the rest are read from the "
+        "disk (default: all in memory)",
+    )
+    parser.add_argument(
+        "--expert-predictor",
+        default="pregating",
+        choices=list(predictors),
+        help="with --memory-budget: who loads experts ahead of time; "
+        + "; ".join(f"{name}: {text}" for name, text in predictors.items())
+        + " (default: pregating)",
+    )
 
 
 def markdown_table() -> str:
