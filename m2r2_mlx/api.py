@@ -107,13 +107,13 @@ def make_sampler(
 def make_logits_processors(
     logit_bias: dict | None = None,
     repetition_penalty: float | None = None,
-    repetition_context_size: int | None = 20,
+    repetition_context_size: int | None = Sampling.repetition_context_size,
     presence_penalty: float | None = None,
-    presence_context_size: int | None = 20,
+    presence_context_size: int | None = Sampling.presence_context_size,
     frequency_penalty: float | None = None,
-    frequency_context_size: int | None = 20,
+    frequency_context_size: int | None = Sampling.frequency_context_size,
 ) -> LogitsProcessors:
-    """mlx_lm.sample_utils.make_logits_processors's arguments (None: off; sizes default to mlx-lm's 20)."""
+    """mlx_lm.sample_utils.make_logits_processors's arguments (None: off; sizes None: Sampling's defaults)."""
     d = Sampling()
     return LogitsProcessors(
         Sampling(

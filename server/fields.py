@@ -171,23 +171,21 @@ def parse_response_format(body: dict, loop_guard: bool = True) -> Grammar | None
 
 
 def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: token ids (as strings, JSON's keys) to a number from -100 to 100 added to the
-    token's logit; () when absent."""
+    """OpenAI's ``logit_bias`` read as (token id, number) pairs: JSON's keys are strings; () when absent. Their
+    range (ids once each, numbers from -100 to 100) is Sampling's to check."""
     bias = body.get("logit_bias")
     if bias is None:
         return ()
-    rule = "'logit_bias' must map token ids (as strings) to numbers from -100 to 100"
+    shape = "'logit_bias' must be an object of token ids (as strings) to numbers"
     if not isinstance(bias, dict):
-        raise RequestError(rule, "logit_bias")
+        raise RequestError(shape, "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
         raise RequestError(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
     pairs = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 9 and is_a(value, float) and -100 <= value <= 100):
-            raise RequestError(f"{rule} (got {json.dumps(key)}: {json.dumps(value)})"[:300], "logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and is_a(value, float)):
+            raise RequestError(f"{shape} (got {json.dumps(key)}: {json.dumps(value)})"[:300], "logit_bias")
         pairs.append((int(key), float(value)))
-    if len({token for token, _ in pairs}) < len(pairs):  # "5" and "05"
-        raise RequestError("'logit_bias' names a token id twice", "logit_bias")
     return tuple(pairs)
 
 

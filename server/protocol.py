@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from m2r2_mlx.decoding.options import OPTIONS, DecodingOptions, Option, OptionError
 from m2r2_mlx.decoding.stats import AnswerStats
+from m2r2_mlx.errors import ConfigError
 
 from .errors import RequestError
 from .fields import (
@@ -185,7 +186,10 @@ def parse_request(
         )
     if offer is not None:
         grammar = offer.grammar(tool_format, loop_guard)
-    sampling = replace(options.generation.sampling, logit_bias=parse_logit_bias(body))
+    try:
+        sampling = replace(options.generation.sampling, logit_bias=parse_logit_bias(body))
+    except ConfigError as e:  # a bias past 100, an id twice ("5" and "05"): the config's own rule
+        raise RequestError(f"'logit_bias' {e.rule}", "logit_bias") from None
     generation = replace(options.generation, sampling=sampling, grammar=grammar, logprobs=parse_logprobs(body, kind))
     req = Request(
         kind,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
@@ -120,18 +121,24 @@ class Sampling:
             frequency_context_size=self.frequency_context_size,
         )
 
+    @cached_property
+    def _bias_arrays(self) -> tuple[int, mx.array, mx.array]:
+        """(the largest id, the ids, the values) of the logit bias, built once per config: it is added every step."""
+        ids, values = zip(*self.logit_bias)  # sorted by id
+        return ids[-1], mx.array(ids), mx.array(values)
+
     def biased(self, logits: mx.array) -> mx.array:
         """``logits`` (last axis: the vocabulary) with the logit bias added, as mlx-lm's first logits processor
         does; where a token id is beyond the vocabulary, one line says so."""
         if not self.logit_bias:
             return logits
-        ids, values = zip(*self.logit_bias)  # sorted by id
-        if ids[-1] >= logits.shape[-1]:
+        largest, ids, values = self._bias_arrays
+        if largest >= logits.shape[-1]:
             raise M2R2Error(
-                f"logit_bias names token {ids[-1]}, beyond the vocabulary ({logits.shape[-1]} tokens); "
+                f"logit_bias names token {largest}, beyond the vocabulary ({logits.shape[-1]} tokens); "
                 "use ids the model's tokenizer gives"
             )
-        return logits.at[..., mx.array(ids)].add(mx.array(values))
+        return logits.at[..., ids].add(values)
 
     def sampler(self):
         """mlx-lm's sampler for these options (argmax when greedy)."""
